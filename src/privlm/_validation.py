@@ -1,0 +1,60 @@
+"""Parameter validation with messages that name the offending parameter."""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+
+def check_positive_finite(name: str, value: object) -> float:
+    """Return ``value`` as a float, or raise ``ValueError`` if it is not a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__}: {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def check_non_negative_finite(name: str, value: object) -> float:
+    """Return ``value`` as a float, or raise ``ValueError`` if it is not a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__}: {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` or raise ``ValueError`` if it is not an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_float_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int = 1) -> torch.Tensor:
+    """Check that ``value`` is a non-empty, finite, floating-point tensor of the expected rank."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must have a floating-point dtype, got {value.dtype}")
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if value.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
+    if value.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(value.shape)}")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    return value

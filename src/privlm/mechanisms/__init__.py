@@ -1,0 +1,41 @@
+"""Differential-privacy mechanisms: pure math on torch tensors, no I/O."""
+
+from privlm.mechanisms.bucketized import (
+    Bucketing,
+    BucketizedDraw,
+    BucketizedExponentialMechanism,
+    bucketize,
+    bucketized_log_probabilities,
+    bucketized_pair_bound,
+)
+from privlm.mechanisms.clipping import clip_to_norm, clip_with_effective_noise
+from privlm.mechanisms.dchi import DChiLaplace, sample_dchi_noise
+from privlm.mechanisms.exponential import (
+    ExponentialMechanism,
+    exponential_log_probabilities,
+    sample_from_probabilities,
+)
+from privlm.mechanisms.privacy_loss import exact_privacy_loss
+from privlm.mechanisms.projection import nearest_neighbours, project_to_vocabulary, squared_distances
+from privlm.mechanisms.randomness import make_generator
+
+__all__ = [
+    "Bucketing",
+    "BucketizedDraw",
+    "BucketizedExponentialMechanism",
+    "DChiLaplace",
+    "ExponentialMechanism",
+    "bucketize",
+    "bucketized_log_probabilities",
+    "bucketized_pair_bound",
+    "clip_to_norm",
+    "clip_with_effective_noise",
+    "exact_privacy_loss",
+    "exponential_log_probabilities",
+    "make_generator",
+    "nearest_neighbours",
+    "project_to_vocabulary",
+    "sample_dchi_noise",
+    "sample_from_probabilities",
+    "squared_distances",
+]

@@ -1,0 +1,22 @@
+"""Loading HF models offline and splitting them into a client half and a server half."""
+
+from privlm.models.device import resolve_device
+from privlm.models.loading import load_pretrained, model_family
+from privlm.models.pooling import POOLINGS, cls_pool, last_token_pool, mean_pool
+from privlm.models.sources import PACKAGED, ModelSource, resolve_source
+from privlm.models.split import SplitModel, TokenBatch
+
+__all__ = [
+    "PACKAGED",
+    "POOLINGS",
+    "ModelSource",
+    "SplitModel",
+    "TokenBatch",
+    "cls_pool",
+    "last_token_pool",
+    "load_pretrained",
+    "mean_pool",
+    "model_family",
+    "resolve_device",
+    "resolve_source",
+]

@@ -1,0 +1,20 @@
+"""The device setting that flows through privlm: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` picks CUDA when available, else the CPU; an unavailable CUDA request is an error."""
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device == "auto":
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif isinstance(device, str) and (device == "cpu" or device.startswith("cuda")):
+        resolved = torch.device(device)
+    else:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} was requested but CUDA is not available on this machine")
+    return resolved

@@ -1,0 +1,39 @@
+"""Shared fixtures. Real packaged models are session-scoped: each loads once per run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The strict threshold of the project's statistical tests.
+P_THRESHOLD = 1e-6
+
+BAD_POSITIVE_REALS = [0, 0.0, -1, -0.5, float("nan"), float("inf"), float("-inf"), "1", None, True]
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    """A seeded generator, so that a statistical failure can be replayed."""
+    g = torch.Generator()
+    g.manual_seed(20261121)
+    return g
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    from privlm.models import SplitModel
+
+    return SplitModel.from_pretrained("minilm", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from privlm.models import SplitModel
+
+    return SplitModel.from_pretrained("smollm2", device="cpu")

@@ -1,0 +1,62 @@
+"""Tiny random models of each supported family, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    BertConfig,
+    BertModel,
+    BertTokenizerFast,
+    DistilBertConfig,
+    DistilBertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    RobertaConfig,
+    RobertaModel,
+    T5Config,
+    T5EncoderModel,
+)
+
+VOCAB = 99
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", ".", ","]
+
+
+def tiny_model(family: str) -> PreTrainedModel:
+    torch.manual_seed(0)  # test-only determinism of the random weights
+    common = dict(vocab_size=VOCAB)
+    if family == "bert":
+        model = BertModel(BertConfig(**common, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=37, max_position_embeddings=64))
+    elif family == "roberta":
+        model = RobertaModel(RobertaConfig(**common, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=37, max_position_embeddings=70, pad_token_id=1))
+    elif family == "distilbert":
+        model = DistilBertModel(DistilBertConfig(**common, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
+                                                 max_position_embeddings=64))
+    elif family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(**common, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4,
+                                           n_positions=64))
+    elif family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64))
+    elif family == "t5":
+        model = T5EncoderModel(T5Config(**common, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4))
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def tiny_bert_folder(path: Path) -> Path:
+    """A saved tiny BERT with a real WordPiece tokenizer, loadable by ``from_pretrained``."""
+    words = WORDS + [f"w{i}" for i in range(VOCAB - len(WORDS))]
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(words)})
+    model = tiny_model("bert")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
