@@ -1,0 +1,111 @@
+"""``privlm demo``: what the foundation does, on the packaged MiniLM model.
+
+1. Privatize a sentence's token embeddings with the d_chi mechanism.
+2. Run the nearest-neighbour inversion attack on what a server would see, at a strong and a
+   weak eta: it fails at the first and succeeds at the second.
+3. Perturb a prompt token by token with the plain exponential mechanism, and with Cape's
+   bucketized variant, over the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from privlm.mechanisms import (
+    BucketizedExponentialMechanism,
+    DChiLaplace,
+    ExponentialMechanism,
+    clip_with_effective_noise,
+    make_generator,
+    project_to_vocabulary,
+    squared_distances,
+)
+from privlm.models import SplitModel
+
+SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
+PROMPT = "My name is Alice and I live in Boston."
+
+
+@dataclass
+class InversionRow:
+    eta: float
+    mean_noise_norm: float
+    recovered: list[str]
+    success_rate: float
+    cosine_to_clean: float
+
+
+def word_positions(model: SplitModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mask of the positions that hold text (not [CLS]/[SEP]/padding)."""
+    special = torch.tensor(model.tokenizer.all_special_ids, device=input_ids.device)
+    return ~torch.isin(input_ids, special)
+
+
+@torch.inference_mode()
+def inversion_at(model: SplitModel, sentence: str, eta: float, generator: torch.Generator) -> InversionRow:
+    batch = model.tokenize([sentence])
+    clean = model.embed_tokens(batch.input_ids)
+    noisy = DChiLaplace(eta=eta).randomise(clean, generator=generator)
+    clipped, _ = clip_with_effective_noise(clean, noisy, max_norm=model.max_embedding_norm)
+    guesses = project_to_vocabulary(noisy[0], model.embedding_matrix)
+    words = word_positions(model, batch.input_ids[0])
+    success = (guesses[words] == batch.input_ids[0][words]).float().mean().item()
+    cosine = torch.nn.functional.cosine_similarity(
+        model.encode(clipped, batch.attention_mask), model.encode(clean, batch.attention_mask)).item()
+    return InversionRow(eta=eta, mean_noise_norm=(noisy - clean)[0].norm(dim=-1).mean().item(),
+                        recovered=model.tokenizer.convert_ids_to_tokens(guesses[words].tolist()),
+                        success_rate=success, cosine_to_clean=cosine)
+
+
+def similarity_utility(model: SplitModel, token_ids: torch.Tensor) -> torch.Tensor:
+    """u(x, y) = 1 - (dist - min) / (max - min) over the vocabulary, in [0, 1]: sensitivity 1."""
+    distances = squared_distances(model.embedding_matrix[token_ids], model.embedding_matrix).sqrt()
+    low, high = distances.min(dim=-1, keepdim=True).values, distances.max(dim=-1, keepdim=True).values
+    return 1 - (distances - low) / (high - low)
+
+
+def perturb_prompt(model: SplitModel, prompt: str, mechanism: ExponentialMechanism | BucketizedExponentialMechanism,
+                   generator: torch.Generator) -> tuple[str, float | None]:
+    """Replace every word piece of ``prompt``; returns the new text and the largest realised eps'."""
+    ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    utility = similarity_utility(model, torch.tensor(ids, device=model.device))
+    if isinstance(mechanism, BucketizedExponentialMechanism):
+        draw = mechanism.sample(utility, generator=generator)
+        return model.tokenizer.decode(draw.indices[:, 0].tolist()), draw.eps_prime.max().item()
+    return model.tokenizer.decode(mechanism.sample(utility, generator=generator)[:, 0].tolist()), None
+
+
+def run(console: Console | None = None, *, seed: int | None = None) -> list[InversionRow]:
+    console = console or Console()
+    generator = make_generator(seed)
+    with console.status("Loading the packaged MiniLM (all-MiniLM-L6-v2)..."):
+        model = SplitModel.from_pretrained("minilm")
+    console.print(f"[bold]Model[/bold] {model}")
+    console.print(f"Clip norm C = max row norm of the vocabulary = {model.max_embedding_norm:.4f}\n")
+
+    console.print(f"[bold]1. d_chi privatization of token embeddings[/bold]  sentence: {SENTENCE!r}")
+    rows = [inversion_at(model, SENTENCE, eta, generator) for eta in (25.0, 200.0)]
+    table = Table("eta", "E||z|| = d/eta", "mean ||z||", "NN inversion", "cos(sentence emb.)", "what the attack reads")
+    for row in rows:
+        table.add_row(f"{row.eta:g}", f"{model.hidden_size / row.eta:.2f}", f"{row.mean_noise_norm:.2f}",
+                      f"{row.success_rate:.0%}", f"{row.cosine_to_clean:.3f}", " ".join(row.recovered))
+    console.print(table)
+    console.print("Strong privacy (eta = 25): the nearest-neighbour attack recovers almost nothing. "
+                  "Weak privacy (eta = 200): it reads the sentence back.\n")
+
+    console.print(f"[bold]2. Exponential mechanism on a prompt[/bold]  prompt: {PROMPT!r}")
+    table = Table("mechanism", "epsilon / token", "perturbed prompt", "realised eps'")
+    for eps in (10.0, 50.0):
+        text, _ = perturb_prompt(model, PROMPT, ExponentialMechanism(epsilon=eps), generator)
+        table.add_row("plain EM", f"{eps:g}", text, "-")
+        text, eps_prime = perturb_prompt(model, PROMPT, BucketizedExponentialMechanism(epsilon=eps), generator)
+        table.add_row("bucketized EM (N_b=50)", f"{eps:g}", text, f"{eps_prime:.2f}")
+    console.print(table)
+    console.print("Utility = normalised embedding similarity over all 30,522 tokens (sensitivity 1). Plain EM "
+                  "spreads its mass over the long tail; bucketing concentrates it on similar tokens at the "
+                  "cost of the data-dependent eps' (see README).")
+    return rows
