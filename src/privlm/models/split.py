@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from privlm._validation import check_choice, check_float_tensor
+from privlm.models.batching import map_in_length_order
 from privlm.models.device import resolve_device
 from privlm.models.loading import FAMILY_POOLING, load_pretrained, model_family
 from privlm.models.pooling import POOLERS, POOLINGS
@@ -169,13 +171,12 @@ class SplitModel:
         return self._pool(hidden, mask)
 
     @torch.inference_mode()
-    def encode_texts(self, texts: Sequence[str], *, batch_size: int = 32) -> torch.Tensor:
-        """Non-private sentence embeddings of ``texts`` through the split path."""
-        out = []
-        for start in range(0, len(texts), batch_size):
-            batch = self.tokenize(texts[start:start + batch_size])
-            out.append(self.encode(self.embed_tokens(batch.input_ids), batch.attention_mask))
-        return torch.cat(out)
+    def encode_texts(self, texts: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
+        """Non-private sentence embeddings (n, d) of ``texts`` through the split path, in input order."""
+        def encode_batch(chunk: list[str]) -> np.ndarray:
+            batch = self.tokenize(chunk)
+            return self.encode(self.embed_tokens(batch.input_ids), batch.attention_mask).float().cpu().numpy()
+        return torch.from_numpy(map_in_length_order(texts, encode_batch, batch_size=batch_size))
 
     def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         pooled = POOLERS[self.pooling](hidden, attention_mask)

@@ -1,0 +1,96 @@
+"""The benchmark harness: a named sweep of methods x privacy levels x tasks.
+
+A sweep prepares shared state once (models, data), then evaluates every point. The harness shows
+progress, times each point, and writes ``results.json`` (every figure with its provenance),
+``results.md`` (a table) and one privacy-utility PNG per task.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from privlm.eval.provenance import provenance
+from privlm.eval.report import markdown_report, plot_privacy_utility
+
+
+@dataclass(frozen=True)
+class Point:
+    method: str
+    level: float  # eta or epsilon; math.inf is the non-private reference
+    task: str
+
+
+@dataclass
+class Sweep:
+    """A named grid. ``evaluate`` maps a point to its metrics (floats)."""
+
+    name: str
+    description: str
+    methods: Sequence[str]
+    levels: Sequence[float]
+    tasks: Sequence[str]
+    evaluate: Callable[[Point], dict[str, float]]
+    level_name: str = "eta"
+    utility_metric: str = "auc"
+    attack_metric: str = "attack_success"
+    settings: dict[str, object] = field(default_factory=dict)
+    references: Sequence[Point] = ()  # extra points, e.g. the non-private model
+
+    def points(self) -> list[Point]:
+        grid = [Point(m, lvl, t) for t in self.tasks for m in self.methods for lvl in self.levels]
+        return [*self.references, *grid]
+
+
+@dataclass
+class BenchReport:
+    directory: Path
+    rows: list[dict[str, object]]
+    files: list[Path]
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf" / "nan": JSON has no such numbers
+    return value
+
+
+def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None = None,
+              command: list[str] | None = None) -> BenchReport:
+    console = console or Console()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = provenance(seed=seed, command=command) | {"sweep": sweep.name, "description": sweep.description,
+                                                     "settings": sweep.settings, "level_name": sweep.level_name}
+    rows: list[dict[str, object]] = []
+    started = time.perf_counter()
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task(f"sweep {sweep.name}", total=len(sweep.points()))
+        for point in sweep.points():
+            progress.update(overall, description=f"{sweep.name}: {point.task} / {point.method} / "
+                                                 f"{sweep.level_name}={point.level:g}")
+            t0 = time.perf_counter()
+            metrics = sweep.evaluate(point)
+            rows.append({"task": point.task, "method": point.method, sweep.level_name: point.level,
+                         **metrics, "seconds": round(time.perf_counter() - t0, 2)})
+            progress.advance(overall)
+    meta["wall_seconds"] = round(time.perf_counter() - started, 1)
+    files = [out_dir / "results.json", out_dir / "results.md"]
+    payload = {"metadata": meta, "rows": [{k: _json_safe(v) for k, v in row.items()} for row in rows]}
+    files[0].write_text(json.dumps(payload, indent=2) + "\n")
+    files[1].write_text(markdown_report(sweep, rows, meta))
+    for task in sweep.tasks:
+        png = out_dir / f"privacy_utility_{task}.png"
+        plot_privacy_utility([r for r in rows if r["task"] == task], path=png, title=f"{sweep.name}: {task}",
+                             level_name=sweep.level_name, x_metric=sweep.attack_metric,
+                             y_metric=sweep.utility_metric, caption=f"{meta['command']}  (seed {seed}, "
+                                                                    f"{str(meta['git_commit'])[:12]})")
+        files.append(png)
+    return BenchReport(directory=out_dir, rows=rows, files=files)

@@ -1,0 +1,69 @@
+"""Benchmark outputs: a Markdown table and privacy-utility plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt
+
+if TYPE_CHECKING:
+    from privlm.eval.bench import Sweep
+
+
+def format_level(level: float) -> str:
+    return "∞ (non-private)" if math.isinf(level) else f"{level:g}"
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        if math.isinf(value):
+            return "∞"
+        return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, object]]) -> str:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(sweep: Sweep, rows: Sequence[dict[str, object]], meta: dict[str, object]) -> str:
+    machine = meta["machine"]
+    return (f"# Benchmark `{sweep.name}`\n\n{sweep.description}\n\n"
+            f"- command: `{meta['command']}`\n- seed: {meta['seed']}\n- git commit: `{meta['git_commit']}`\n"
+            f"- machine: {machine}\n- started (UTC): {meta['started_utc']}, wall time {meta['wall_seconds']} s\n"
+            f"- settings: {meta['settings']}\n\n" + markdown_table(rows))
+
+
+def plot_privacy_utility(rows: Sequence[dict[str, object]], *, path: Path, title: str, level_name: str,
+                         x_metric: str, y_metric: str, caption: str = "") -> None:
+    """Utility on y, attack success on x, one line per method, each point labelled with its level."""
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    for method in dict.fromkeys(str(r["method"]) for r in rows):
+        points = sorted(((float(r[x_metric]), float(r[y_metric]), float(r[level_name]))  # type: ignore[arg-type]
+                         for r in rows if r["method"] == method), key=lambda p: p[0])
+        xs, ys, _ = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o", label=method)
+        for x, y, level in points:
+            label = "∞" if math.isinf(level) else f"{level:g}"
+            ax.annotate(f"{level_name}={label}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel(f"{x_metric} (attack success, lower is more private)")
+    ax.set_ylabel(f"{y_metric} (utility)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    if caption:
+        fig.text(0.01, 0.005, caption, fontsize=6, color="gray")
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

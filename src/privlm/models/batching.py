@@ -1,0 +1,26 @@
+"""Length-sorted batching: similar lengths share a batch, so little compute goes to padding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+
+def length_sorted_batches(texts: Sequence[str], batch_size: int) -> Iterator[list[int]]:
+    """Index batches in order of text length (characters, a cheap proxy for tokens)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    for start in range(0, len(order), batch_size):
+        yield order[start:start + batch_size]
+
+
+def map_in_length_order(texts: Sequence[str], encode_batch: Callable[[list[str]], np.ndarray], *,
+                        batch_size: int) -> np.ndarray:
+    """Apply ``encode_batch`` to length-sorted batches and return rows in the original order."""
+    rows: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
+    for indices in length_sorted_batches(texts, batch_size):
+        for i, row in zip(indices, encode_batch([texts[i] for i in indices]), strict=True):
+            rows[i] = row
+    return np.stack(rows)
