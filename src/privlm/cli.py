@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -39,6 +40,48 @@ def models() -> None:
     for name, source in PACKAGED.items():
         table.add_row(name, source)
     console.print(table)
+
+
+bench_app = typer.Typer(help="Benchmarks: named sweeps that write results.json, results.md and plots.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _parse_levels(text: str) -> list[float]:
+    try:
+        levels = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}") from error
+    if not levels or any(not (level > 0) or level == float("inf") for level in levels):
+        raise typer.BadParameter(f"levels must be finite and > 0, got {text!r}")
+    return levels
+
+
+@bench_app.command("baselines")
+def bench_baselines(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/baselines"),
+    etas: Annotated[str, typer.Option(help="Comma-separated etas.")] = "10,25,50,75,100,200,500",
+    task: Annotated[str, typer.Option(help="Task name (see privlm.eval.data.named_task).")] = "tweets-binary",
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    n_train: Annotated[int, typer.Option(help="Training sentences for the probe.")] = 2000,
+    n_validation: Annotated[int, typer.Option(help="Validation sentences (early stopping).")] = 500,
+    n_test: Annotated[int, typer.Option(help="Test sentences.")] = 1000,
+    attack_sentences: Annotated[int, typer.Option(help="Test sentences attacked.")] = 300,
+    probe: Annotated[str, typer.Option(help="mlp (SnD paper) or logistic.")] = "mlp",
+    seed: Annotated[int, typer.Option(help="Seed of splits, noise and probes (recorded).")] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """TokEmbPriv and Text2Text over several etas: inversion success vs probe AUC."""
+    from privlm.eval.bench import run_sweep
+    from privlm.eval.sweeps.baselines import Setting, baselines_sweep
+
+    setting = Setting(model=model, task=task, n_train=n_train, n_validation=n_validation, n_test=n_test,
+                      attack_sentences=attack_sentences, probe=probe, seed=seed, device=device)
+    with console.status("Loading the model and data, encoding the clean splits..."):
+        sweep = baselines_sweep(setting, etas=_parse_levels(etas))
+    report = run_sweep(sweep, out_dir=out, seed=seed, console=console)
+    console.print((out / "results.md").read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
 
 
 if __name__ == "__main__":

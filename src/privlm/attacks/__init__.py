@@ -1,0 +1,55 @@
+"""Privacy attacks on privatized artefacts; each returns its success rate with a confidence interval."""
+
+from privlm.attacks.attribute import attribute_inference, pool_representations
+from privlm.attacks.audit import (
+    AuditResult,
+    audit_mechanism,
+    audit_samples,
+    clopper_pearson_lower,
+    clopper_pearson_upper,
+    dchi_sampler,
+    exponential_sampler,
+)
+from privlm.attacks.inversion import knn_attack, nearest_neighbour_inversion, token_id_inversion
+from privlm.attacks.masked_token import masked_token_inference
+from privlm.attacks.mutual_information import (
+    kozachenko_leonenko_entropy,
+    kth_neighbour_distances,
+    mutual_information,
+)
+from privlm.attacks.results import AttackResult, ScoreResult, binomial_ci, score_result
+from privlm.attacks.text_metrics import (
+    effective_mapping_set_size,
+    lcs_length,
+    retention_ratio,
+    rouge_l_f1,
+    token_accuracy,
+)
+
+__all__ = [
+    "AttackResult",
+    "AuditResult",
+    "ScoreResult",
+    "attribute_inference",
+    "audit_mechanism",
+    "audit_samples",
+    "binomial_ci",
+    "clopper_pearson_lower",
+    "clopper_pearson_upper",
+    "dchi_sampler",
+    "effective_mapping_set_size",
+    "exponential_sampler",
+    "knn_attack",
+    "kozachenko_leonenko_entropy",
+    "kth_neighbour_distances",
+    "lcs_length",
+    "masked_token_inference",
+    "mutual_information",
+    "nearest_neighbour_inversion",
+    "pool_representations",
+    "retention_ratio",
+    "rouge_l_f1",
+    "score_result",
+    "token_accuracy",
+    "token_id_inversion",
+]

@@ -1,0 +1,108 @@
+"""Nearest-neighbour inversion of privatized token embeddings (EIA in SAP, the KNN attack in Cape/SANTEXT).
+
+The attacker knows the vocabulary's embedding matrix E (|V| x d). For a privatized vector x~ it
+ranks the vocabulary rows by L2 distance ||x~ - E_v|| and guesses the k nearest. The attack
+succeeds at a position when the true token id is among those k guesses:
+
+    success_i = [ t_i in argtopk_v -||x~_i - E_v|| ],    rate = (1/n) sum_i success_i.
+
+An attacker who ignores x~ and guesses k distinct tokens succeeds with probability k / |V| on a
+uniformly drawn token, which is reported as ``chance`` (on real text, frequent tokens make a
+frequency-based guess better than that).
+
+Exact ties between vocabulary rows are broken by ``torch.topk``; a vocabulary with duplicate rows
+(identical embeddings for different ids) therefore cannot reach 100% even without noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from privlm._validation import check_float_tensor, check_positive_int
+from privlm.attacks._checks import check_ids, check_mask
+from privlm.attacks.results import AttackResult
+from privlm.mechanisms import nearest_neighbours
+
+KNN_TOP_K = 10  # the KNN attack of the Cape and SANTEXT papers: success if the original is in the top 10
+
+
+def nearest_neighbour_inversion(
+    privatized: torch.Tensor,
+    true_ids: torch.Tensor,
+    vocabulary: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    k: int = 1,
+    chunk_size: int = 1024,
+    name: str | None = None,
+) -> AttackResult:
+    """Share of positions whose true token is among the ``k`` vocabulary rows nearest (L2) to ``privatized``.
+
+    ``privatized`` has shape (..., d), ``true_ids`` the batch shape (...), ``vocabulary`` (|V|, d).
+    ``mask`` (bool, shape of ``true_ids``) selects the positions that count, e.g. the attention mask
+    without the special tokens; by default every position counts. ``chance`` = k / |V|.
+    ``details["rank_counts"][r]`` is how often the true token was the (r+1)-th nearest.
+    """
+    check_float_tensor("privatized", privatized)
+    check_float_tensor("vocabulary", vocabulary, ndim=2)
+    k = check_positive_int("k", k)
+    vocab_size = vocabulary.shape[0]
+    if k > vocab_size:
+        raise ValueError(f"k must be <= the vocabulary size {vocab_size}, got {k}")
+    if privatized.shape[-1] != vocabulary.shape[-1]:
+        raise ValueError(f"privatized has dimension {privatized.shape[-1]} but vocabulary rows have "
+                         f"{vocabulary.shape[-1]}")
+    true_ids = check_ids("true_ids", true_ids, shape=privatized.shape[:-1], vocab_size=vocab_size)
+    if mask is not None:
+        mask = check_mask("mask", mask, shape=true_ids.shape)
+        privatized, true_ids = privatized[mask.to(privatized.device)], true_ids[mask.to(true_ids.device)]
+    guesses, _ = nearest_neighbours(privatized.reshape(-1, privatized.shape[-1]), vocabulary, k=k,
+                                    chunk_size=chunk_size)
+    hits = guesses == true_ids.reshape(-1, 1).to(guesses.device)
+    return AttackResult(
+        name=name or f"nn-inversion-top{k}",
+        successes=int(hits.sum()),
+        trials=int(hits.shape[0]),
+        chance=k / vocab_size,
+        details={"k": k, "vocab_size": vocab_size, "metric": "l2", "rank_counts": hits.sum(dim=0).tolist()},
+    )
+
+
+def knn_attack(
+    privatized: torch.Tensor,
+    true_ids: torch.Tensor,
+    vocabulary: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    k: int = KNN_TOP_K,
+    chunk_size: int = 1024,
+) -> AttackResult:
+    """The KNN attack of Cape/SANTEXT (Song & Raghunathan 2020): :func:`nearest_neighbour_inversion` with k = 10.
+
+    For a text-to-text mechanism, whose output is a token id, use :func:`token_id_inversion` with k = 10.
+    """
+    return nearest_neighbour_inversion(privatized, true_ids, vocabulary, mask=mask, k=k, chunk_size=chunk_size,
+                                       name=f"knn-top{k}")
+
+
+def token_id_inversion(
+    released_ids: torch.Tensor,
+    true_ids: torch.Tensor,
+    vocabulary: torch.Tensor,
+    *,
+    k: int = 1,
+    mask: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> AttackResult:
+    """Nearest-neighbour inversion of released token ids (text-to-text mechanisms: Text2Text, SANTEXT, Cape).
+
+    The released id r is embedded as E_r and attacked like a privatized vector: success when the
+    true id is among the ``k`` vocabulary rows nearest to E_r. With k = 1 and no duplicate rows
+    this is the retention ratio (E_r's nearest row is r itself); k = 10 is the KNN attack.
+    """
+    check_float_tensor("vocabulary", vocabulary, ndim=2)
+    released_ids = check_ids("released_ids", released_ids, vocab_size=vocabulary.shape[0])
+    check_ids("true_ids", true_ids, shape=released_ids.shape)
+    embedded = vocabulary[released_ids.to(vocabulary.device)]
+    return nearest_neighbour_inversion(embedded, true_ids, vocabulary, mask=mask, k=k, chunk_size=chunk_size,
+                                       name=f"token-id-inversion-top{k}")

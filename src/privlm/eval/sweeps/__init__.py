@@ -1,0 +1,1 @@
+"""Named benchmark sweeps."""
