@@ -84,5 +84,53 @@ def bench_baselines(
     console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
 
 
+snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
+app.add_typer(snd_app, name="snd")
+
+
+@snd_app.command("train")
+def snd_train(
+    out: Annotated[Path, typer.Option(help="Output folder (weights, card, checkpoints).")] = Path("runs/denoiser"),
+    model: Annotated[str, typer.Option(help="Base model name or path.")] = "minilm",
+    sources: Annotated[str, typer.Option(help="Public corpus sources, comma-separated "
+                                              "(wordnet, fortunes, tweets).")] = "wordnet",
+    max_texts: Annotated[int, typer.Option(help="Texts drawn from the corpus.")] = 60_000,
+    eta_min: Annotated[float, typer.Option(help="Smallest training eta (eta-conditioned model).")] = 10.0,
+    eta_max: Annotated[float, typer.Option(help="Largest training eta (eta-conditioned model).")] = 200.0,
+    etas: Annotated[str, typer.Option(help="Train on these etas only (one model per eta group), "
+                                           "comma-separated; overrides the range.")] = "",
+    variant: Annotated[str, typer.Option(help="snd, server (sees e_n and X~ only) or local (e_n zeroed).")] = "snd",
+    clip: Annotated[bool, typer.Option(help="Clip noisy embeddings to the vocabulary's max norm.")] = True,
+    minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 40.0,
+    max_steps: Annotated[int, typer.Option(help="Step budget.")] = 100_000,
+    batch_size: Annotated[int, typer.Option()] = 32,
+    max_tokens: Annotated[int, typer.Option(help="Texts longer than this are left out (counted).")] = 64,
+    eval_every: Annotated[int, typer.Option(help="Validate and checkpoint every N steps.")] = 250,
+    patience: Annotated[int, typer.Option(help="Early stop after N evaluations without gain.")] = 6,
+    seed: Annotated[int, typer.Option()] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Train a denoiser on public text with synthetic d_chi noise."""
+    from privlm.eval.data import public_corpus
+    from privlm.models import SplitModel
+    from privlm.snd.training import DenoiserTrainer, TrainingConfig
+
+    source_list = [s.strip() for s in sources.split(",") if s.strip()]
+    config = TrainingConfig(eta_min=eta_min, eta_max=eta_max, etas=tuple(_parse_levels(etas)) if etas else (),
+                            clip=clip, variant=variant, max_tokens=max_tokens, batch_size=batch_size,
+                            max_steps=max_steps, max_minutes=minutes, eval_every=eval_every, patience=patience,
+                            seed=seed)
+    with console.status("Loading the model and the public corpus..."):
+        split_model = SplitModel.from_pretrained(model, device=device)
+        texts = public_corpus(sources=source_list, limit=max_texts, seed=seed)
+    trainer = DenoiserTrainer(split_model, texts, config=config, out_dir=out, sources=source_list, console=console)
+    console.print(f"Training on {len(trainer.train_texts)} texts, validating on {len(trainer.val_texts)} "
+                  f"({trainer.excluded_long} longer than {max_tokens} tokens left out)")
+    card = trainer.train(resume=resume)
+    console.print(f"Validation: {card['validation']}")
+    console.print(f"Wrote {out / 'denoiser.safetensors'} and {out / 'denoiser.json'}")
+
+
 if __name__ == "__main__":
     app()

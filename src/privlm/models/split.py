@@ -27,7 +27,7 @@ from privlm.models.loading import FAMILY_POOLING, load_pretrained, model_family
 from privlm.models.pooling import POOLERS, POOLINGS
 
 log = logging.getLogger(__name__)
-TRUNCATION_POLICIES = ("warn", "error")
+TRUNCATION_POLICIES = ("warn", "error", "count")  # "count": the caller reports truncation itself
 _DEFAULT_MAX_LENGTH = 512
 
 
@@ -42,6 +42,15 @@ class TokenBatch:
     @property
     def n_truncated(self) -> int:
         return sum(self.truncated)
+
+
+def check_texts(texts: object) -> None:
+    """A non-empty list of non-blank strings, or a ValueError that names the bad item."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or len(texts) == 0:
+        raise ValueError("texts must be a non-empty list of strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"texts[{i}] is empty or not a string: {text!r}")
 
 
 class SplitModel:
@@ -117,26 +126,26 @@ class SplitModel:
         return digest.hexdigest()
 
     # --- client side ------------------------------------------------------------------------
-    def tokenize(self, texts: Sequence[str], *, truncation: str = "warn") -> TokenBatch:
-        """Tokenize a batch (right padding). Over-long texts are cut and counted, or refused."""
+    def tokenize(self, texts: Sequence[str], *, truncation: str = "warn", max_length: int | None = None
+                 ) -> TokenBatch:
+        """Tokenize a batch (right padding). Texts over ``max_length`` (default: the model's) are cut
+        and counted with a warning, or refused with ``truncation="error"``."""
+        max_length = min(max_length or self.max_length, self.max_length)
         if self.tokenizer is None:
             raise ValueError("this SplitModel has no tokenizer; pass input_ids directly")
         check_choice("truncation", truncation, TRUNCATION_POLICIES)
-        if isinstance(texts, str) or not isinstance(texts, Sequence) or len(texts) == 0:
-            raise ValueError("texts must be a non-empty list of strings")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"texts[{i}] is empty or not a string: {text!r}")
-        full_lengths = [len(ids) for ids in self.tokenizer(list(texts), truncation=False)["input_ids"]]
-        truncated = [n > self.max_length for n in full_lengths]
+        check_texts(texts)
+        full_lengths = self.token_counts(texts)
+        truncated = [n > max_length for n in full_lengths]
         if any(truncated):
             worst = max(full_lengths)
-            message = (f"{sum(truncated)} of {len(texts)} texts exceed max_length={self.max_length} tokens "
+            message = (f"{sum(truncated)} of {len(texts)} texts exceed max_length={max_length} tokens "
                        f"(longest: {worst}); they were truncated")
             if truncation == "error":
                 raise ValueError(message.replace("they were truncated", "pass truncation='warn' to cut them"))
-            warnings.warn(message, stacklevel=2)
-        batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+            if truncation == "warn":
+                warnings.warn(message, stacklevel=2)
+        batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=max_length,
                                return_tensors="pt", padding_side="right")
         return TokenBatch(input_ids=batch["input_ids"].to(self.device),
                           attention_mask=batch["attention_mask"].to(self.device), truncated=truncated)
@@ -177,6 +186,10 @@ class SplitModel:
             batch = self.tokenize(chunk)
             return self.encode(self.embed_tokens(batch.input_ids), batch.attention_mask).float().cpu().numpy()
         return torch.from_numpy(map_in_length_order(texts, encode_batch, batch_size=batch_size))
+
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Token count of each text with special tokens, untruncated."""
+        return [len(ids) for ids in self.tokenizer(list(texts), truncation=False)["input_ids"]]
 
     def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         pooled = POOLERS[self.pooling](hidden, attention_mask)

@@ -1,0 +1,113 @@
+"""The SnD denoiser: a small transformer that turns the server's noisy sentence embedding back
+into an estimate of the clean one, using what only the client knows.
+
+Input sequence H0 = [e_n ; X~_1..n ; Z~_1..n] (2n + 1 rows of width d), plus
+  - learned segment embeddings telling e_n, X~ and Z~ apart (the reference code has none),
+  - learned token-position embeddings shared by X~_i and Z~_i, so row i of each can be paired,
+  - optionally an embedding of log(eta), so one model serves a range of privacy levels.
+L pre-LN transformer layers with a padding mask; the output is read at position 0 and added to
+e_n (a residual: at weak noise the best answer is close to e_n).
+
+Variants (same architecture and training; ``variant``):
+  - ``snd``:    [e_n ; X~ ; Z~]            the user-side denoiser of the paper
+  - ``server``: [e_n ; X~]                 what the server itself could do: it never sees Z~ or X
+  - ``local``:  [0 ; X~ ; Z~]              e_n zeroed: a small local model of the user's own text
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from privlm._validation import check_choice, check_positive_finite, check_positive_int
+
+VARIANTS = ("snd", "server", "local")
+_ETA_FREQUENCIES = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenoiserConfig:
+    dim: int
+    n_layers: int = 3
+    n_heads: int = 6
+    d_ff: int = 768
+    dropout: float = 0.1
+    max_tokens: int = 512
+    variant: str = "snd"
+    eta_conditioned: bool = True
+    eta_min: float = 10.0
+    eta_max: float = 200.0
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "d_ff", "max_tokens"):
+            check_positive_int(name, getattr(self, name))
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        check_choice("variant", self.variant, VARIANTS)
+        check_positive_finite("eta_min", self.eta_min)
+        check_positive_finite("eta_max", self.eta_max)
+        if self.eta_min > self.eta_max:
+            raise ValueError(f"eta_min={self.eta_min} must be <= eta_max={self.eta_max}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @classmethod
+    def for_model(cls, dim: int, **overrides: object) -> DenoiserConfig:
+        """Sizes after the SnD paper's Table 8, scaled to the model width (MiniLM: 384 -> 3 layers, 6 heads)."""
+        heads = next(h for h in ((6, 8) if dim <= 512 else (8, 12, 16)) + (4, 2, 1) if dim % h == 0)
+        sizes: dict[str, object] = {"n_heads": heads, "d_ff": 2 * dim, "n_layers": 3 if dim <= 512 else 6}
+        return cls(dim=dim, **(sizes | overrides))  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Denoiser(nn.Module):
+    def __init__(self, config: DenoiserConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.dim
+        self.segment = nn.Embedding(3, d)
+        self.position = nn.Embedding(config.max_tokens, d)
+        self.eta_embedding = nn.Sequential(nn.Linear(2 * _ETA_FREQUENCIES, d), nn.GELU(), nn.Linear(d, d))
+        layer = nn.TransformerEncoderLayer(d, config.n_heads, config.d_ff, config.dropout, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.layers = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, d)
+        nn.init.zeros_(self.head.weight)  # start as the identity on e_n
+        nn.init.zeros_(self.head.bias)
+
+    def eta_features(self, eta: torch.Tensor) -> torch.Tensor:
+        """Fourier features of log(eta) rescaled to [0, 1] over the training range."""
+        low, high = math.log(self.config.eta_min), math.log(self.config.eta_max)
+        t = (eta.clamp_min(1e-12).log() - low) / max(high - low, 1e-6)
+        k = torch.arange(1, _ETA_FREQUENCIES + 1, device=eta.device, dtype=eta.dtype)
+        angles = t.unsqueeze(-1) * k * math.pi
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+    def forward(self, e_n: torch.Tensor, noisy: torch.Tensor, noise: torch.Tensor,
+                attention_mask: torch.Tensor, eta: torch.Tensor | None = None) -> torch.Tensor:
+        """e_n (B, d), noisy X~ and noise Z~ (B, n, d), mask (B, n), eta (B,) -> denoised (B, d)."""
+        batch, n, _ = noisy.shape
+        if n > self.config.max_tokens:
+            raise ValueError(f"sequence of {n} tokens exceeds the denoiser's max_tokens={self.config.max_tokens}")
+        if self.config.variant == "local":
+            e_n = torch.zeros_like(e_n)
+        segments = self.segment.weight
+        positions = self.position.weight[:n]
+        parts = [(e_n + segments[0]).unsqueeze(1), noisy + positions + segments[1]]
+        valid = [torch.ones(batch, 1, dtype=torch.bool, device=noisy.device), attention_mask.bool()]
+        if self.config.variant != "server":
+            parts.append(noise + positions + segments[2])
+            valid.append(attention_mask.bool())
+        h = torch.cat(parts, dim=1)
+        if self.config.eta_conditioned:
+            if eta is None:
+                raise ValueError("this denoiser is eta-conditioned: pass eta")
+            h = h + self.eta_embedding(self.eta_features(eta.to(h.dtype))).unsqueeze(1)
+        h = self.layers(h, src_key_padding_mask=~torch.cat(valid, dim=1))
+        return e_n + self.head(self.norm(h[:, 0]))

@@ -1,0 +1,43 @@
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from privlm.mechanisms import make_generator
+from privlm.snd import SnDPrivatizer
+from privlm.snd.training import privatize_rows
+from tests.conftest import BAD_POSITIVE_REALS, P_THRESHOLD
+from tests.snd.conftest import TEXTS
+
+
+def test_clipped_privatization_keeps_norms_and_effective_noise(tiny):
+    private = SnDPrivatizer(tiny, eta=1.0, generator=make_generator(0)).privatize(TEXTS)
+    mask = private.attention_mask.bool()
+    assert (private.noisy[mask].norm(dim=-1) <= tiny.max_embedding_norm * (1 + 1e-5)).all()
+    torch.testing.assert_close(private.clean + private.noise, private.noisy)
+    assert (private.noise[~mask] == 0).all()  # padding carries no noise and no text
+    assert private.noise[mask].norm(dim=-1).min() > 0
+
+
+def test_unclipped_privatization_is_plain_dchi(tiny):
+    private = SnDPrivatizer(tiny, eta=1.0, clip=False, generator=make_generator(1)).privatize(TEXTS * 40)
+    norms = private.noise[private.attention_mask.bool()].norm(dim=-1).double().numpy()
+    assert stats.kstest(norms, "gamma", args=(tiny.hidden_size, 0, 1.0)).pvalue > P_THRESHOLD
+
+
+def test_per_sentence_etas_in_training_follow_gamma(tiny):
+    batch = tiny.tokenize(TEXTS * 200)
+    clean = tiny.embed_tokens(batch.input_ids).detach()
+    eta = torch.tensor([2.0, 8.0] * 500)
+    _, noise = privatize_rows(tiny, clean, batch.attention_mask, eta, clip=False, generator=make_generator(2))
+    for value in (2.0, 8.0):
+        rows = (eta == value).unsqueeze(-1) & batch.attention_mask.bool()
+        norms = noise[rows].norm(dim=-1).double().numpy()
+        assert stats.kstest(norms, "gamma", args=(tiny.hidden_size, 0, 1 / value)).pvalue > P_THRESHOLD
+        assert np.mean(norms) == pytest.approx(tiny.hidden_size / value, rel=0.02)
+
+
+@pytest.mark.parametrize("eta", BAD_POSITIVE_REALS)
+def test_bad_eta_is_rejected(tiny, eta):
+    with pytest.raises(ValueError, match="eta"):
+        SnDPrivatizer(tiny, eta=eta)

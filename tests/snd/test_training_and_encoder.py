@@ -1,0 +1,131 @@
+import json
+import warnings
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from privlm.mechanisms import make_generator
+from privlm.snd import SnDEncoder, load_denoiser, read_card
+from privlm.snd.training import DenoiserTrainer, TrainingConfig
+from tests.models.tiny import tiny_model
+from tests.snd.conftest import TEXTS
+
+QUIET = Console(quiet=True)
+
+
+def _config(**overrides) -> TrainingConfig:
+    base = dict(eta_min=2.0, eta_max=20.0, max_tokens=16, batch_size=16, max_steps=6, max_minutes=5.0, eval_every=3,
+                n_validation=40, seed=1, learning_rate=1e-3, model_overrides={"n_heads": 4, "d_ff": 64,
+                                                                               "n_layers": 1})
+    return TrainingConfig(**(base | overrides))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("denoiser")
+    card = DenoiserTrainer(tiny, corpus, config=_config(), out_dir=out, sources=["toy"], console=QUIET).train()
+    return out, card
+
+
+def test_training_writes_weights_and_a_complete_card(trained, tiny):
+    out, card = trained
+    assert (out / "denoiser.safetensors").exists()
+    card = read_card(out)
+    assert card["base_model"]["fingerprint"] == tiny.fingerprint
+    assert card["eta_range"] == [2.0, 20.0]
+    assert card["training_data"]["sources"] == ["toy"] and card["training_data"]["n_validation"] == 40
+    assert card["training"]["steps"] == 6 and card["training"]["wall_seconds"] > 0
+    assert {"mse", "cosine", "noisy_mse", "noisy_cosine"} <= set(card["validation"])
+    assert card["provenance"]["command"] and card["provenance"]["git_commit"]
+    assert [h["step"] for h in card["history"]] == [3, 6]
+    assert "pickle" not in (out / "denoiser.safetensors").read_bytes()[:200].decode(errors="replace")
+
+
+def test_resume_continues_from_the_checkpoint(tiny, corpus, tmp_path):
+    DenoiserTrainer(tiny, corpus, config=_config(max_steps=3), out_dir=tmp_path, console=QUIET).train()
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["state"]["step"] == 3
+    with pytest.raises(ValueError, match="different settings"):
+        DenoiserTrainer(tiny, corpus, config=_config(max_steps=6, learning_rate=0.5), out_dir=tmp_path,
+                        console=QUIET).train(resume=True)
+    card = DenoiserTrainer(tiny, corpus, config=_config(max_steps=6), out_dir=tmp_path,  # more budget, same run
+                           console=QUIET).train(resume=True)
+    assert card["training"]["steps"] == 6
+    assert [h["step"] for h in card["history"]] == [3, 6]
+
+
+def test_training_lowers_the_validation_loss(tiny, corpus, tmp_path):
+    card = DenoiserTrainer(tiny, corpus, config=_config(max_steps=40, eval_every=20, eta_min=20.0, eta_max=50.0),
+                           out_dir=tmp_path, console=QUIET).train()
+    first, last = card["history"][0], card["history"][-1]
+    assert last["loss"] < first["loss"] or last["cosine"] > card["validation"]["noisy_cosine"]
+    assert card["validation"]["cosine"] > card["validation"]["noisy_cosine"]
+
+
+def test_encoder_is_a_drop_in_and_reports(trained, tiny):
+    out, _ = trained
+    encoder = SnDEncoder(tiny, eta=5.0, denoiser=out, generator=make_generator(0))
+    embeddings = encoder.encode(TEXTS, batch_size=2)
+    assert embeddings.shape == (len(TEXTS), 32) and embeddings.dtype == np.float32
+    assert encoder.last_report.texts == len(TEXTS) and encoder.last_report.truncated == 0
+    assert encoder.last_report.server_calls == 3
+
+
+def test_encoder_order_matches_single_calls(tiny):
+    encoder = SnDEncoder(tiny, eta=1e7, denoiser=None)  # negligible noise: rows of different texts stay apart
+    batch = encoder.encode(TEXTS, batch_size=2)  # length-sorted batches, returned in input order
+    singles = np.concatenate([encoder.encode([t]) for t in TEXTS])
+    distances = ((batch[:, None, :] - singles[None, :, :]) ** 2).sum(-1)
+    assert distances.argmin(axis=1).tolist() == list(range(len(TEXTS)))
+
+
+def test_denoiser_for_another_model_is_refused(trained):
+    from privlm.models import SplitModel
+
+    out, _ = trained
+    other = SplitModel(tiny_model("distilbert"), device="cpu")
+    with pytest.raises(ValueError, match="trained for base model"):
+        load_denoiser(out, model=other)
+
+
+def test_eta_outside_the_trained_range_warns(trained, tiny):
+    out, _ = trained
+    with pytest.warns(UserWarning, match=r"outside the range \[2, 20\]"):
+        SnDEncoder(tiny, eta=500.0, denoiser=out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SnDEncoder(tiny, eta=10.0, denoiser=out)
+
+
+def test_bad_inputs_get_clear_errors(trained, tiny):
+    out, _ = trained
+    for eta in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eta"):
+            SnDEncoder(tiny, eta=eta, denoiser=out)
+    encoder = SnDEncoder(tiny, eta=5.0, denoiser=out)
+    for bad in ([], ["fine", ""], "a string"):
+        with pytest.raises(ValueError, match="texts"):
+            encoder.encode(bad)
+    with pytest.raises(ValueError, match="no default denoiser"):
+        SnDEncoder(tiny, eta=5.0)
+
+
+def test_over_long_texts_warn_with_a_count_or_raise(trained, tiny):
+    out, _ = trained
+    long_text = " ".join(["cat"] * 200)
+    encoder = SnDEncoder(tiny, eta=5.0, denoiser=out)
+    with pytest.warns(UserWarning, match=r"1 of 2 texts are longer than max_length=64 tokens \(indices \[1\]\)"):
+        embeddings = encoder.encode(["a dog", long_text])
+    assert embeddings.shape[0] == 2 and encoder.last_report.truncated == 1
+    assert encoder.last_report.truncated_indices == [1]
+    strict = SnDEncoder(tiny, eta=5.0, denoiser=out, truncation="error")
+    with pytest.raises(ValueError, match="longer than max_length"):
+        strict.encode(["a dog", long_text])
+
+
+def test_local_only_variant_never_calls_the_server(tiny, corpus, tmp_path):
+    DenoiserTrainer(tiny, corpus, config=_config(variant="local", max_steps=3), out_dir=tmp_path,
+                    console=QUIET).train()
+    encoder = SnDEncoder(tiny, eta=5.0, denoiser=tmp_path)
+    encoder.encode(TEXTS)
+    assert encoder.variant == "local" and encoder.last_report.server_calls == 0
