@@ -84,6 +84,41 @@ def bench_baselines(
     console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
 
 
+@bench_app.command("snd")
+def bench_snd(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/snd"),
+    denoisers: Annotated[str, typer.Option(help="Folder with ablation denoisers: noclip/, server/, local/, "
+                                                "groups/<name>/ (each from `privlm snd train`).")] = "",
+    etas: Annotated[str, typer.Option(help="Comma-separated etas; empty: calibrate to inversion rates "
+                                           "50%, 10%, 1%, 0.1%.")] = "",
+    tasks: Annotated[str, typer.Option(help="Comma-separated task names.")] = "tweets-binary,fortunes",
+    methods: Annotated[str, typer.Option(help="Comma-separated subset of methods; empty: all available.")] = "",
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    n_train: Annotated[int, typer.Option()] = 2000,
+    n_validation: Annotated[int, typer.Option()] = 500,
+    n_test: Annotated[int, typer.Option()] = 1000,
+    attack_sentences: Annotated[int, typer.Option()] = 200,
+    probe: Annotated[str, typer.Option(help="mlp (SnD paper) or logistic.")] = "mlp",
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """SnD vs baselines and ablations at calibrated etas: utility, attacks, privacy-utility plots."""
+    from privlm.eval.bench import run_sweep
+    from privlm.eval.sweeps.snd import SnDSetting, snd_sweep
+
+    setting = SnDSetting(model=model, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                         n_train=n_train, n_validation=n_validation, n_test=n_test,
+                         attack_sentences=attack_sentences, probe=probe, seed=seed, device=device,
+                         denoisers=denoisers, etas=tuple(_parse_levels(etas)) if etas else (),
+                         methods=tuple(m.strip() for m in methods.split(",") if m.strip()))
+    with console.status("Loading, encoding the clean splits and calibrating eta..."):
+        sweep = snd_sweep(setting)
+    console.print(f"Levels: {sweep.levels}; methods: {list(sweep.methods)}")
+    report = run_sweep(sweep, out_dir=out, seed=seed, console=console)
+    console.print((out / "results.md").read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
+
+
 snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
 app.add_typer(snd_app, name="snd")
 
