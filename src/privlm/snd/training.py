@@ -201,7 +201,17 @@ class DenoiserTrainer:
             self._evaluate_and_checkpoint()
         return self._finish()
 
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up over the first 5% of steps, then cosine decay to 10% at ``max_steps``."""
+        warmup = max(1, self.config.max_steps // 20)
+        if step < warmup:
+            return self.config.learning_rate * (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, self.config.max_steps - warmup))
+        return self.config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
     def _train_step(self) -> None:
+        for group in self.optimiser.param_groups:
+            group["lr"] = self.learning_rate(self.state.step)
         indices = self._next_indices()
         texts = [self.train_texts[i] for i in indices]
         eta = sample_etas(self.config, len(texts), self.generator)
