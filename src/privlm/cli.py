@@ -57,6 +57,16 @@ def _parse_levels(text: str) -> list[float]:
     return levels
 
 
+@bench_app.command("report")
+def bench_report(directory: Annotated[Path, typer.Argument(help="A folder holding results.json.")]) -> None:
+    """Re-render results.md and the plots of a finished sweep from its results.json."""
+    from privlm.eval.bench import render_report
+
+    if not (directory / "results.json").exists():
+        raise typer.BadParameter(f"{directory} has no results.json")
+    console.print(f"Wrote {', '.join(str(f) for f in render_report(directory))}")
+
+
 @bench_app.command("baselines")
 def bench_baselines(
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/baselines"),

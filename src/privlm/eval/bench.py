@@ -84,13 +84,28 @@ def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None
     meta["wall_seconds"] = round(time.perf_counter() - started, 1)
     files = [out_dir / "results.json", out_dir / "results.md"]
     payload = {"metadata": meta, "rows": [{k: _json_safe(v) for k, v in row.items()} for row in rows]}
+    meta |= {"utility_metric": sweep.utility_metric, "attack_metric": sweep.attack_metric}
     files[0].write_text(json.dumps(payload, indent=2) + "\n")
-    files[1].write_text(markdown_report(sweep, rows, meta))
-    for task in sweep.tasks:
+    return BenchReport(directory=out_dir, rows=rows, files=files[:1] + render_report(out_dir))
+
+
+def _from_json(value: object) -> object:
+    return float(value) if value in ("inf", "-inf", "nan") else value
+
+
+def render_report(out_dir: Path) -> list[Path]:
+    """(Re)write ``results.md`` and the plots from ``results.json`` alone."""
+    payload = json.loads((out_dir / "results.json").read_text())
+    meta = payload["metadata"]
+    rows = [{k: _from_json(v) for k, v in row.items()} for row in payload["rows"]]
+    level_name = meta["level_name"]
+    files = [out_dir / "results.md"]
+    files[0].write_text(markdown_report(meta, rows))
+    for task in dict.fromkeys(str(r["task"]) for r in rows):
         png = out_dir / f"privacy_utility_{task}.png"
-        plot_privacy_utility([r for r in rows if r["task"] == task], path=png, title=f"{sweep.name}: {task}",
-                             level_name=sweep.level_name, x_metric=sweep.attack_metric,
-                             y_metric=sweep.utility_metric, caption=f"{meta['command']}  (seed {seed}, "
-                                                                    f"{str(meta['git_commit'])[:12]})")
+        plot_privacy_utility([r for r in rows if r["task"] == task], path=png, title=f"{meta['sweep']}: {task}",
+                             level_name=level_name, x_metric=meta.get("attack_metric", "attack_success"),
+                             y_metric=meta.get("utility_metric", "auc"),
+                             caption=f"{meta['command']}  (seed {meta['seed']}, {str(meta['git_commit'])[:12]})")
         files.append(png)
-    return BenchReport(directory=out_dir, rows=rows, files=files)
+    return files

@@ -5,15 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt
-
-if TYPE_CHECKING:
-    from privlm.eval.bench import Sweep
 
 
 def format_level(level: float) -> str:
@@ -37,9 +33,9 @@ def markdown_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown_report(sweep: Sweep, rows: Sequence[dict[str, object]], meta: dict[str, object]) -> str:
+def markdown_report(meta: dict[str, object], rows: Sequence[dict[str, object]]) -> str:
     machine = meta["machine"]
-    return (f"# Benchmark `{sweep.name}`\n\n{sweep.description}\n\n"
+    return (f"# Benchmark `{meta['sweep']}`\n\n{meta['description']}\n\n"
             f"- command: `{meta['command']}`\n- seed: {meta['seed']}\n- git commit: `{meta['git_commit']}`\n"
             f"- machine: {machine}\n- started (UTC): {meta['started_utc']}, wall time {meta['wall_seconds']} s\n"
             f"- settings: {meta['settings']}\n\n" + markdown_table(rows))
@@ -47,16 +43,21 @@ def markdown_report(sweep: Sweep, rows: Sequence[dict[str, object]], meta: dict[
 
 def plot_privacy_utility(rows: Sequence[dict[str, object]], *, path: Path, title: str, level_name: str,
                          x_metric: str, y_metric: str, caption: str = "") -> None:
-    """Utility on y, attack success on x, one line per method, each point labelled with its level."""
+    """Utility on y, attack success on x, one curve per method in order of its privacy level, each point
+    labelled with its level; the non-private reference (level = inf) is a black star on top."""
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
     for method in dict.fromkeys(str(r["method"]) for r in rows):
         points = sorted(((float(r[x_metric]), float(r[y_metric]), float(r[level_name]))  # type: ignore[arg-type]
-                         for r in rows if r["method"] == method), key=lambda p: p[0])
-        xs, ys, _ = zip(*points, strict=True)
+                         for r in rows if r["method"] == method), key=lambda p: p[2])
+        finite = [p for p in points if math.isfinite(p[2])]
+        for x, y, _ in (p for p in points if math.isinf(p[2])):
+            ax.scatter([x], [y], marker="*", s=180, color="black", zorder=5, label=f"{method} ({level_name}=∞)")
+        if not finite:
+            continue
+        xs, ys, _ = zip(*finite, strict=True)
         ax.plot(xs, ys, marker="o", label=method)
-        for x, y, level in points:
-            label = "∞" if math.isinf(level) else f"{level:g}"
-            ax.annotate(f"{level_name}={label}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for x, y, level in finite:
+            ax.annotate(f"{level_name}={level:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel(f"{x_metric} (attack success, lower is more private)")
     ax.set_ylabel(f"{y_metric} (utility)")
     ax.set_title(title)
