@@ -111,10 +111,20 @@ def bench_snd(
     probe: Annotated[str, typer.Option(help="mlp (SnD paper) or logistic.")] = "mlp",
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    cost: Annotated[bool, typer.Option("--cost", help="Measure client time, bytes and memory instead.")] = False,
 ) -> None:
     """SnD vs baselines and ablations at calibrated etas: utility, attacks, privacy-utility plots."""
     from privlm.eval.bench import run_sweep
     from privlm.eval.sweeps.snd import SnDSetting, snd_sweep
+
+    if cost:
+        from privlm.eval.sweeps.snd_cost import write_cost_report
+
+        with console.status("Measuring client time, bytes on the wire and peak memory..."):
+            files = write_cost_report(out, model=model, seed=seed, device=device)
+        console.print((out / "cost.md").read_text())
+        console.print(f"Wrote {', '.join(str(f) for f in files)}")
+        return
 
     setting = SnDSetting(model=model, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          n_train=n_train, n_validation=n_validation, n_test=n_test,

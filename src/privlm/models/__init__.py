@@ -1,10 +1,11 @@
 """Loading HF models offline and splitting them into a client half and a server half."""
 
+from privlm.models.client import TokenBatch, TokenEmbedder, check_texts, model_fingerprint
 from privlm.models.device import resolve_device
 from privlm.models.loading import load_pretrained, model_family
 from privlm.models.pooling import POOLINGS, cls_pool, last_token_pool, mean_pool
 from privlm.models.sources import PACKAGED, ModelSource, resolve_source
-from privlm.models.split import SplitModel, TokenBatch
+from privlm.models.split import SplitModel
 
 __all__ = [
     "PACKAGED",
@@ -12,11 +13,14 @@ __all__ = [
     "ModelSource",
     "SplitModel",
     "TokenBatch",
+    "TokenEmbedder",
+    "check_texts",
     "cls_pool",
     "last_token_pool",
     "load_pretrained",
     "mean_pool",
     "model_family",
+    "model_fingerprint",
     "resolve_device",
     "resolve_source",
 ]

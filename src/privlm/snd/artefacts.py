@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from privlm.models import SplitModel
+from privlm.models import TokenEmbedder
 from privlm.snd.denoiser import Denoiser, DenoiserConfig
 
 CARD_FORMAT = "privlm-denoiser/1"
@@ -18,10 +18,10 @@ WEIGHTS_FILE = "denoiser.safetensors"
 CARD_FILE = "denoiser.json"
 
 
-def base_model_card(model: SplitModel) -> dict[str, object]:
+def base_model_card(model: TokenEmbedder) -> dict[str, object]:
     return {"name": model.name, "fingerprint": model.fingerprint, "dim": model.hidden_size,
             "vocab_size": model.vocab_size, "max_embedding_norm": model.max_embedding_norm,
-            "pooling": model.pooling, "normalize": model.normalize}
+            "pooling": getattr(model, "pooling", None), "normalize": model.normalize}
 
 
 def save_denoiser(denoiser: Denoiser, directory: Path, card: dict[str, object]) -> None:
@@ -48,7 +48,7 @@ def default_denoiser_dir(model_name: str = "minilm") -> Path:
     return Path(str(resources.files("privlm") / "data" / "denoisers" / model_name))
 
 
-def load_denoiser(directory: str | Path, *, model: SplitModel, device: torch.device | str | None = None
+def load_denoiser(directory: str | Path, *, model: TokenEmbedder, device: torch.device | str | None = None
                   ) -> tuple[Denoiser, dict[str, object]]:
     """Load weights and card; refuse a denoiser trained for a different base model."""
     directory = Path(directory)

@@ -19,7 +19,7 @@ from privlm._validation import check_choice, check_positive_int
 from privlm.mechanisms import make_generator
 from privlm.models import SplitModel
 from privlm.models.batching import map_in_length_order
-from privlm.models.split import check_texts
+from privlm.models.client import check_texts
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
 from privlm.snd.denoiser import Denoiser
 from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from privlm.mechanisms import DChiLaplace, clip_with_effective_noise, make_generator
-from privlm.models import SplitModel, TokenBatch
+from privlm.models import TokenBatch, TokenEmbedder
 
 
 @dataclass
@@ -31,7 +31,7 @@ class PrivateBatch:
 class SnDPrivatizer:
     """X -> X~ = clip(X + Z, C) with Z ~ d_chi Laplace(eta); C = the vocabulary's max row norm."""
 
-    def __init__(self, model: SplitModel, *, eta: float, clip: bool = True, sampler: str = "gamma",
+    def __init__(self, model: TokenEmbedder, *, eta: float, clip: bool = True, sampler: str = "gamma",
                  generator: torch.Generator | None = None) -> None:
         self.model = model
         self.mechanism = DChiLaplace(eta=eta, sampler=sampler)

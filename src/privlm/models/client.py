@@ -1,0 +1,182 @@
+"""The client half of a split model: a tokenizer and the word-embedding matrix, nothing else.
+
+This is all an SnD or SAP client needs (and all the SnD bundle ships). ``SplitModel`` extends it
+with the server half.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from privlm._validation import check_choice
+from privlm.models.device import resolve_device
+
+TRUNCATION_POLICIES = ("warn", "error", "count")  # "count": the caller reports truncation itself
+
+
+@dataclass
+class TokenBatch:
+    """Token ids and mask on the model's device, with which texts were cut to ``max_length``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    truncated: list[bool]
+
+    @property
+    def n_truncated(self) -> int:
+        return sum(self.truncated)
+
+
+def check_texts(texts: object) -> None:
+    """A non-empty list of non-blank strings, or a ValueError that names the bad item."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or len(texts) == 0:
+        raise ValueError("texts must be a non-empty list of strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"texts[{i}] is empty or not a string: {text!r}")
+
+
+# Architecture fields that define a model's shape (whichever of them a config has). Loader-added
+# fields (dtype, attention implementation, paths, versions) are left out so the hash is stable.
+_ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "d_model", "dim", "num_hidden_layers",
+                      "n_layer", "num_layers", "n_layers", "num_attention_heads", "n_head", "num_heads",
+                      "n_heads", "intermediate_size", "n_inner", "d_ff", "hidden_dim", "max_position_embeddings",
+                      "n_positions", "type_vocab_size", "tie_word_embeddings")
+
+
+def model_fingerprint(embedding_matrix: torch.Tensor, config: dict[str, object]) -> str:
+    """sha256 of the embedding matrix (fp32 bytes) and the architecture fields of the config."""
+    digest = hashlib.sha256()
+    digest.update(embedding_matrix.detach().float().cpu().contiguous().numpy().tobytes())
+    architecture = {k: config[k] for k in _ARCHITECTURE_KEYS if k in config}
+    digest.update(json.dumps(architecture, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+class TokenEmbedder:
+    """Tokenize and look up word-embedding rows (no position or type embeddings)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, embedding_weight: torch.Tensor, *,
+                 config: dict[str, object], max_length: int, normalize: bool = False, name: str = "model",
+                 device: str | torch.device = "auto") -> None:
+        self.device = resolve_device(device)
+        self.tokenizer = tokenizer
+        if tokenizer is not None and tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
+        self._embedding_weight = embedding_weight
+        self.config_dict = config
+        self.max_length = max_length
+        self.normalize = normalize
+        self.name = name
+
+    # --- the vocabulary -------------------------------------------------------------------
+    @property
+    def embedding_matrix(self) -> torch.Tensor:
+        """The (|V|, d) word-embedding matrix, detached."""
+        return self._embedding_weight.detach()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embedding_matrix.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embedding_matrix.shape[0]
+
+    @cached_property
+    def max_embedding_norm(self) -> float:
+        """max_v ||E_v||_2, the SnD clipping bound C, computed from the matrix."""
+        return self.embedding_matrix.float().norm(dim=-1).max().item()
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.embedding_matrix, self.config_dict)
+
+    # --- tokens -------------------------------------------------------------------------------
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Token count of each text with special tokens, untruncated."""
+        return [len(ids) for ids in self._require_tokenizer()(list(texts), truncation=False)["input_ids"]]
+
+    def tokenize(self, texts: Sequence[str], *, truncation: str = "warn", max_length: int | None = None
+                 ) -> TokenBatch:
+        """Tokenize a batch (right padding). Texts over ``max_length`` (default: the model's) are cut
+        and counted with a warning, or refused with ``truncation="error"``."""
+        tokenizer = self._require_tokenizer()
+        max_length = min(max_length or self.max_length, self.max_length)
+        check_choice("truncation", truncation, TRUNCATION_POLICIES)
+        check_texts(texts)
+        full_lengths = self.token_counts(texts)
+        truncated = [n > max_length for n in full_lengths]
+        if any(truncated):
+            message = (f"{sum(truncated)} of {len(texts)} texts exceed max_length={max_length} tokens "
+                       f"(longest: {max(full_lengths)})")
+            if truncation == "error":
+                raise ValueError(message + "; pass truncation='warn' to cut them")
+            if truncation == "warn":
+                warnings.warn(message + "; they were truncated", stacklevel=2)
+        batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt", padding_side="right")
+        return TokenBatch(input_ids=batch["input_ids"].to(self.device),
+                          attention_mask=batch["attention_mask"].to(self.device), truncated=truncated)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """X = word-embedding rows of ``input_ids``."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError("input_ids must be an integer torch.Tensor")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), the vocabulary")
+        return torch.nn.functional.embedding(input_ids.to(self.device), self._embedding_weight)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path = "minilm", *, device: str | torch.device = "auto"
+                        ) -> TokenEmbedder:
+        """Load only the tokenizer and the word-embedding rows (not the transformer) from local files."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from privlm.models.loading import materialise_gguf, read_sentence_transformer_config
+        from privlm.models.sources import resolve_source
+
+        source = resolve_source(name_or_path)
+        path = materialise_gguf(source) if source.gguf_file else source.path
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        weight = _read_word_embeddings(Path(path), vocab_size=config.vocab_size,
+                                       tied=bool(getattr(config, "tie_word_embeddings", False)))
+        st = read_sentence_transformer_config(Path(path))
+        max_length = (st.max_seq_length if st and st.max_seq_length else None) or getattr(
+            config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
+        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True), weight.to(resolve_device(device)),
+                   config=config.to_dict(), max_length=max_length, normalize=bool(st and st.normalize),
+                   name=str(name_or_path), device=device)
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise ValueError(f"{type(self).__name__} has no tokenizer; pass input_ids directly")
+        return self.tokenizer
+
+
+_EMBEDDING_KEYS = ("word_embeddings.weight", "embed_tokens.weight", "wte.weight", "shared.weight")
+
+
+def _read_word_embeddings(folder: Path, *, vocab_size: int, tied: bool) -> torch.Tensor:
+    """The word-embedding tensor from the folder's safetensors files, read without loading the rest.
+
+    A tied model may store the shared matrix under the LM head's name only.
+    """
+    from safetensors import safe_open
+
+    keys = (*_EMBEDDING_KEYS, "lm_head.weight") if tied else _EMBEDDING_KEYS
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                if key.endswith(keys) and handle.get_slice(key).get_shape()[0] == vocab_size:
+                    return handle.get_tensor(key)
+    raise ValueError(f"no word-embedding tensor ({', '.join(_EMBEDDING_KEYS)}) in the safetensors files of {folder}")
