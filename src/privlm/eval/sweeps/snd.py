@@ -30,7 +30,7 @@ from privlm.eval.data import Splits, TextDataset, named_task, public_corpus, spl
 from privlm.eval.probes import embedding_agreement, evaluate_probe
 from privlm.mechanisms import make_generator, sample_dchi_noise
 from privlm.models import SplitModel
-from privlm.snd.artefacts import read_card
+from privlm.snd.artefacts import default_denoiser_dir, read_card
 from privlm.snd.calibration import calibrate_eta, sample_text_tokens
 from privlm.snd.encoder import PlainEncoder, SnDEncoder
 from privlm.snd.privatizer import SnDPrivatizer
@@ -38,9 +38,10 @@ from privlm.snd.privatizer import SnDPrivatizer
 SPLITS = ("train", "validation", "test")
 CALIBRATION_GRID = tuple(float(x) for x in np.geomspace(10, 300, 16).round(2))
 TARGET_RATES = (0.5, 0.1, 0.01, 0.001)
-# Optional trained ablation denoisers, looked up as sub-folders of --denoisers (snd/ there, if present,
-# replaces the shipped default, so that every variant can be compared at the same training budget).
-ABLATIONS = {"SnD, no clip": "noclip", "server-side denoiser": "server", "local-only model": "local"}
+# Optional ablation denoisers, sub-folders of --denoisers, all trained at one budget (see
+# benchmarks/snd/train_denoisers.sh); snd/ there is SnD at that same budget, for a fair comparison.
+ABLATIONS = {"SnD, ablation budget": "snd", "SnD, no clip": "noclip", "server-side denoiser": "server",
+             "local-only model": "local"}
 
 
 @dataclass
@@ -94,12 +95,11 @@ class SnDSweep:
     # --- methods --------------------------------------------------------------------------------
     def _available_methods(self) -> dict[str, Callable[[float, torch.Generator], object]]:
         root = Path(self.setting.denoisers) if self.setting.denoisers else None
-        snd_folder = root / "snd" if root is not None and (root / "snd" / "denoiser.json").exists() else "default"
-        methods: dict[str, Callable[[float, torch.Generator], object]] = {
-            "SnD": lambda eta, g: SnDEncoder(self.model, eta=eta, generator=g, denoiser=snd_folder),
-            "TokEmbPriv": lambda eta, g: TokEmbPriv(self.model, eta=eta, generator=g),
-            "Text2Text": lambda eta, g: Text2Text(self.model, eta=eta, generator=g),
-        }
+        methods: dict[str, Callable[[float, torch.Generator], object]] = {}
+        if (default_denoiser_dir(self.setting.model) / "denoiser.json").exists():
+            methods["SnD"] = self._with_denoiser("default")
+        methods["TokEmbPriv"] = lambda eta, g: TokEmbPriv(self.model, eta=eta, generator=g)
+        methods["Text2Text"] = lambda eta, g: Text2Text(self.model, eta=eta, generator=g)
         if root is not None:
             for name, folder in ABLATIONS.items():
                 if (root / folder / "denoiser.json").exists():
@@ -115,7 +115,7 @@ class SnDSweep:
             methods = {m: methods[m] for m in self.setting.methods}
         return methods
 
-    def _with_denoiser(self, folder: Path) -> Callable[[float, torch.Generator], SnDEncoder]:
+    def _with_denoiser(self, folder: Path | str) -> Callable[[float, torch.Generator], SnDEncoder]:
         return lambda eta, g: SnDEncoder(self.model, eta=eta, generator=g, denoiser=folder)
 
     @staticmethod
@@ -160,7 +160,7 @@ class SnDSweep:
             kind = "clean"
         elif point.method == "Text2Text":
             kind = "text2text"
-        elif point.method in ("TokEmbPriv", "SnD, no clip"):
+        elif point.method in ("TokEmbPriv", "SnD, no clip"):  # both send unclipped X + Z
             kind = "unclipped"
         else:
             kind = "clipped"
