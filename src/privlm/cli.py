@@ -159,7 +159,13 @@ def snd_train(
     minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 40.0,
     max_steps: Annotated[int, typer.Option(help="Step budget.")] = 100_000,
     batch_size: Annotated[int, typer.Option()] = 32,
+    learning_rate: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 3e-4,
     max_tokens: Annotated[int, typer.Option(help="Texts longer than this are left out (counted).")] = 64,
+    layout: Annotated[str, typer.Option(help="fused (X~_i and Z~_i per row; default) or sequence "
+                                             "([e_n; X~; Z~] as in the paper).")] = "fused",
+    layers: Annotated[int | None, typer.Option(help="Denoiser layers (default: sized after the paper).")] = None,
+    heads: Annotated[int | None, typer.Option(help="Denoiser attention heads.")] = None,
+    d_ff: Annotated[int | None, typer.Option(help="Denoiser feed-forward width.")] = None,
     eval_every: Annotated[int, typer.Option(help="Validate and checkpoint every N steps.")] = 250,
     patience: Annotated[int, typer.Option(help="Early stop after N evaluations without gain.")] = 6,
     seed: Annotated[int, typer.Option()] = 0,
@@ -174,8 +180,11 @@ def snd_train(
     source_list = [s.strip() for s in sources.split(",") if s.strip()]
     config = TrainingConfig(eta_min=eta_min, eta_max=eta_max, etas=tuple(_parse_levels(etas)) if etas else (),
                             clip=clip, variant=variant, max_tokens=max_tokens, batch_size=batch_size,
+                            learning_rate=learning_rate,
                             max_steps=max_steps, max_minutes=minutes, eval_every=eval_every, patience=patience,
-                            seed=seed)
+                            seed=seed, model_overrides={"layout": layout} | {
+                                k: v for k, v in (("n_layers", layers), ("n_heads", heads), ("d_ff", d_ff))
+                                if v is not None})
     with console.status("Loading the model and the public corpus..."):
         split_model = SplitModel.from_pretrained(model, device=device)
         texts = public_corpus(sources=source_list, limit=max_texts, seed=seed)

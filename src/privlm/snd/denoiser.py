@@ -1,12 +1,18 @@
 """The SnD denoiser: a small transformer that turns the server's noisy sentence embedding back
 into an estimate of the clean one, using what only the client knows.
 
-Input sequence H0 = [e_n ; X~_1..n ; Z~_1..n] (2n + 1 rows of width d), plus
-  - learned segment embeddings telling e_n, X~ and Z~ apart (the reference code has none),
-  - learned token-position embeddings shared by X~_i and Z~_i, so row i of each can be paired,
-  - optionally an embedding of log(eta), so one model serves a range of privacy levels.
-L pre-LN transformer layers with a padding mask; the output is read at position 0 and added to
-e_n (a residual: at weak noise the best answer is close to e_n).
+Two input layouts:
+  - ``sequence`` (the paper): H0 = [e_n ; X~_1..n ; Z~_1..n], 2n + 1 rows, with learned segment
+    embeddings telling e_n, X~ and Z~ apart (the reference code has none) and token-position
+    embeddings shared by X~_i and Z~_i so that row i of each can be paired;
+  - ``fused`` (privlm's default): H0 = [e_n ; W [X~_i ; Z~_i]], n + 1 rows. Same inputs, but each
+    token's X~_i and Z~_i enter together, so X_i = X~_i - Z~_i is one linear map away; W starts
+    as [I, -I], i.e. the rows start as the user's clean token embeddings. Half the sequence length.
+    In the sequence layout the model must learn to subtract rows n positions apart, which it does
+    slowly (see README, "Denoiser layout").
+Both add segment and position embeddings and, optionally, an embedding of log(eta), so one model
+serves a range of privacy levels. L pre-LN transformer layers with a padding mask; the output is
+read at position 0 and added to e_n (a residual: at weak noise the best answer is close to e_n).
 
 Variants (same architecture and training; ``variant``):
   - ``snd``:    [e_n ; X~ ; Z~]            the user-side denoiser of the paper
@@ -25,6 +31,7 @@ from torch import nn
 from privlm._validation import check_choice, check_positive_finite, check_positive_int
 
 VARIANTS = ("snd", "server", "local")
+LAYOUTS = ("fused", "sequence")
 _ETA_FREQUENCIES = 8
 
 
@@ -37,6 +44,7 @@ class DenoiserConfig:
     dropout: float = 0.1
     max_tokens: int = 512
     variant: str = "snd"
+    layout: str = "fused"
     eta_conditioned: bool = True
     eta_min: float = 10.0
     eta_max: float = 200.0
@@ -47,6 +55,7 @@ class DenoiserConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         check_choice("variant", self.variant, VARIANTS)
+        check_choice("layout", self.layout, LAYOUTS)
         check_positive_finite("eta_min", self.eta_min)
         check_positive_finite("eta_max", self.eta_max)
         if self.eta_min > self.eta_max:
@@ -72,12 +81,23 @@ class Denoiser(nn.Module):
         d = config.dim
         self.segment = nn.Embedding(3, d)
         self.position = nn.Embedding(config.max_tokens, d)
+        if config.layout == "fused":
+            sees_noise = config.variant != "server"
+            self.token_in = nn.Linear(2 * d if sees_noise else d, d)
+            with torch.no_grad():  # start from X = X~ - Z~ (or from X~ when Z~ is not seen)
+                eye = torch.eye(d)
+                self.token_in.weight.copy_(torch.cat([eye, -eye], dim=1) if sees_noise else eye)
+                self.token_in.bias.zero_()
         self.eta_embedding = nn.Sequential(nn.Linear(2 * _ETA_FREQUENCIES, d), nn.GELU(), nn.Linear(d, d))
         layer = nn.TransformerEncoderLayer(d, config.n_heads, config.d_ff, config.dropout, activation="gelu",
                                            batch_first=True, norm_first=True)
         self.layers = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, d)
+        # Small learned embeddings (BERT's std 0.02): nn.Embedding's default N(0, 1) rows have norm ~sqrt(d)
+        # and would drown token vectors of norm ~1.
+        nn.init.normal_(self.segment.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.02)
         nn.init.zeros_(self.head.weight)  # start as the identity on e_n
         nn.init.zeros_(self.head.bias)
 
@@ -99,11 +119,17 @@ class Denoiser(nn.Module):
             e_n = torch.zeros_like(e_n)
         segments = self.segment.weight
         positions = self.position.weight[:n]
-        parts = [(e_n + segments[0]).unsqueeze(1), noisy + positions + segments[1]]
+        sees_noise = self.config.variant != "server"
+        parts = [(e_n + segments[0]).unsqueeze(1)]
         valid = [torch.ones(batch, 1, dtype=torch.bool, device=noisy.device), attention_mask.bool()]
-        if self.config.variant != "server":
-            parts.append(noise + positions + segments[2])
-            valid.append(attention_mask.bool())
+        if self.config.layout == "fused":
+            tokens = self.token_in(torch.cat([noisy, noise], dim=-1) if sees_noise else noisy)
+            parts.append(tokens + positions + segments[1])
+        else:
+            parts.append(noisy + positions + segments[1])
+            if sees_noise:
+                parts.append(noise + positions + segments[2])
+                valid.append(attention_mask.bool())
         h = torch.cat(parts, dim=1)
         if self.config.eta_conditioned:
             if eta is None:
