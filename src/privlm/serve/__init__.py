@@ -1,0 +1,1 @@
+"""Services: the SnD server, the client SDK transport, the OpenAI-compatible gateway."""
