@@ -5,6 +5,7 @@
    weak eta: it fails at the first and succeeds at the second.
 3. Perturb a prompt token by token with the plain exponential mechanism, and with Cape's
    bucketized variant, over the whole vocabulary.
+4. Split-N-Denoise in-process: private sentence embeddings, with and without the shipped denoiser.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from privlm.models import SplitModel
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
 PROMPT = "My name is Alice and I live in Boston."
+SND_SENTENCES = ["I absolutely love my new phone, the camera is stunning.",
+                 "The delivery was late and the support team never answered.",
+                 "Driverless cars will change how cities are planned."]
+SND_ETA = 50.0
 
 
 @dataclass
@@ -108,4 +113,19 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
     console.print("Utility = normalised embedding similarity over all 30,522 tokens (sensitivity 1). Plain EM "
                   "spreads its mass over the long tail; bucketing concentrates it on similar tokens at the "
                   "cost of the data-dependent eps' (see README).")
+    snd_section(console, model, generator)
     return rows
+
+
+def snd_section(console: Console, model: SplitModel, generator: torch.Generator) -> None:
+    from privlm.snd import SnDEncoder
+
+    console.print(f"\n[bold]3. Split-N-Denoise at eta = {SND_ETA:g}[/bold] (client: noise + clip + denoise; "
+                  "server: the transformer on noisy token embeddings)")
+    clean = model.encode_texts(SND_SENTENCES).numpy()
+    denoised = SnDEncoder(model, eta=SND_ETA, generator=generator).encode(SND_SENTENCES)
+    raw = SnDEncoder(model, eta=SND_ETA, denoiser=None, generator=generator).encode(SND_SENTENCES)
+    table = Table("sentence", "cos(server output, clean)", "cos(denoised, clean)")
+    for text, c, r, d in zip(SND_SENTENCES, clean, raw, denoised, strict=True):
+        table.add_row(text, f"{float(r @ c):.3f}", f"{float(d @ c):.3f}")
+    console.print(table)
