@@ -8,7 +8,7 @@ a network between the two halves without changing the math.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,12 +17,14 @@ import torch
 
 from privlm._validation import check_choice, check_positive_int
 from privlm.mechanisms import make_generator
-from privlm.models import SplitModel
+from privlm.models import SplitModel, TokenEmbedder
 from privlm.models.batching import map_in_length_order
 from privlm.models.client import check_texts
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
 from privlm.snd.denoiser import Denoiser
 from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
+
+ServerFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (X~, mask) -> e_n
 
 
 @dataclass
@@ -48,11 +50,14 @@ class SnDEncoder:
     ``clip``: None follows the denoiser's training; True/False forces it.
     """
 
-    def __init__(self, model: str | Path | SplitModel = "minilm", *, eta: float,
+    def __init__(self, model: str | Path | TokenEmbedder = "minilm", *, eta: float,
                  denoiser: str | Path | None = "default", clip: bool | None = None, sampler: str = "gamma",
                  device: str | torch.device = "auto", batch_size: int = 64, truncation: str = "warn",
-                 generator: torch.Generator | None = None) -> None:
-        self.model = resolve_model(model, device)
+                 generator: torch.Generator | None = None, server: ServerFn | None = None) -> None:
+        self.model = model if isinstance(model, TokenEmbedder) else resolve_model(model, device)
+        if server is None and not isinstance(self.model, SplitModel):
+            raise ValueError("a client-only model needs a server function (see privlm.snd.Client)")
+        self._server = server or self.model.encode  # type: ignore[union-attr]
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.truncation = check_choice("truncation", truncation, ("warn", "error"))
         self.denoiser, self.card = self._load_denoiser(denoiser)
@@ -89,9 +94,9 @@ class SnDEncoder:
         return self.privatizer.privatize(texts, truncation=truncation or self.truncation)
 
     def server_encode(self, private: PrivateBatch) -> torch.Tensor:
-        """Server: sees X~ and the mask only."""
+        """Server: sees X~ and the mask only (in-process here; over HTTP in ``privlm.snd.Client``)."""
         self.last_report.server_calls += 1
-        return self.model.encode(private.noisy, private.attention_mask)
+        return self._server(private.noisy, private.attention_mask).to(private.noisy.device)
 
     def denoise(self, private: PrivateBatch, e_n: torch.Tensor) -> torch.Tensor:
         """Client: D(e_n, X~, Z~), normalised like the base model's embeddings."""

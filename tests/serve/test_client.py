@@ -1,0 +1,69 @@
+"""The client SDK against a real uvicorn server on localhost."""
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from privlm.mechanisms import make_generator
+from privlm.models import SplitModel
+from privlm.serve.server import create_app
+from privlm.snd import Client, SnDEncoder
+from privlm.snd.training import DenoiserTrainer, TrainingConfig
+from tests.models.tiny import tiny_bert_folder
+from tests.serve.localhost import serving
+
+TEXTS = ["the cat sat on the mat .", "a dog", "the dog sat , the cat sat"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("client")
+    model = SplitModel.from_pretrained(tiny_bert_folder(root / "model"), device="cpu")
+    config = TrainingConfig(eta_min=2.0, eta_max=20.0, max_tokens=16, batch_size=8, max_steps=2, eval_every=2,
+                            n_validation=20, model_overrides={"n_heads": 4, "d_ff": 64, "n_layers": 1})
+    corpus = [f"the cat sat on the mat w{i}" for i in range(60)]
+    DenoiserTrainer(model, corpus, config=config, out_dir=root / "snd-tiny", console=Console(quiet=True)).train()
+    return model, root
+
+
+def test_round_trip_equals_the_in_process_encoder(setup, tmp_path):
+    model, root = setup
+    app = create_app(model, denoiser_dirs=[root / "snd-tiny"])
+    with serving(app) as url, Client(url, eta=5.0, cache_dir=tmp_path, generator=make_generator(3),
+                                     device="cpu") as client:
+        remote = client.encode(TEXTS)
+        assert client.last_report.server_calls == 1
+    local = SnDEncoder(model, eta=5.0, denoiser=root / "snd-tiny", generator=make_generator(3)).encode(TEXTS)
+    assert remote.shape == (3, 32) and remote.dtype == np.float32
+    np.testing.assert_allclose(remote, local, atol=1e-5)
+
+
+def test_bundle_is_cached_by_hash(setup, tmp_path):
+    model, root = setup
+    with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"])) as url:
+        Client(url, eta=5.0, cache_dir=tmp_path, device="cpu").close()
+        cached = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+        mtimes = [p.stat().st_mtime_ns for p in cached]
+        Client(url, eta=5.0, cache_dir=tmp_path, device="cpu").close()
+    assert [p.stat().st_mtime_ns for p in cached] == mtimes  # nothing downloaded twice
+
+
+def test_retries_until_the_server_comes_up(setup, tmp_path):
+    model, root = setup
+    from tests.serve.localhost import free_port
+
+    port = free_port()
+    with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"]), port=port, delay=1.0):
+        client = Client(f"http://127.0.0.1:{port}", eta=5.0, cache_dir=tmp_path, backoff=0.2, retries=8,
+                        device="cpu")
+        assert client.encode(TEXTS[:1]).shape == (1, 32)
+        client.close()
+
+
+def test_refusals_are_clear_errors(setup, tmp_path):
+    model, root = setup
+    with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"], api_keys=["k"])) as url:
+        with pytest.raises(ValueError, match="API key"):
+            Client(url, eta=5.0, cache_dir=tmp_path, device="cpu")
+        with pytest.raises(ValueError, match="not 'nope'"):
+            Client(url, eta=5.0, cache_dir=tmp_path, api_key="k", denoiser="nope", device="cpu")
