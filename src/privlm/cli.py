@@ -196,5 +196,48 @@ def snd_train(
     console.print(f"Wrote {out / 'denoiser.safetensors'} and {out / 'denoiser.json'}")
 
 
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    api_key: Annotated[list[str] | None, typer.Option(help="Accepted Bearer key (repeatable); none: open.")] = None,
+    denoiser: Annotated[list[Path] | None, typer.Option(help="Denoiser folders to offer (default: shipped).")] = None,
+    max_batch_rows: Annotated[int, typer.Option(help="Micro-batch size bound (sentences).")] = 64,
+    max_wait_ms: Annotated[float, typer.Option(help="Micro-batch wait bound.")] = 5.0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """The vendor's SnD server: noisy token embeddings in, pooled embeddings out. Never sees text."""
+    import uvicorn
+
+    from privlm.models import SplitModel
+    from privlm.serve.server import create_app
+
+    split_model = SplitModel.from_pretrained(model, device=device)
+    app_ = create_app(split_model, denoiser_dirs=denoiser or None, api_keys=api_key or (),
+                      max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
+@app.command()
+def gateway(
+    server: Annotated[str, typer.Option(help="Base URL of a remote `privlm serve`.")],
+    eta: Annotated[float, typer.Option(help="Privacy level: eta * d_chi-privacy per token.")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8001,
+    server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server.")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable).")] = None,
+    denoiser: Annotated[str, typer.Option(help="auto, a denoiser name from the bundle, or none.")] = "auto",
+) -> None:
+    """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
+    import uvicorn
+
+    from privlm.serve.gateway import create_gateway
+    from privlm.snd import Client
+
+    client = Client(server, eta=eta, api_key=server_api_key, denoiser=None if denoiser == "none" else denoiser)
+    uvicorn.run(create_gateway(client, api_keys=api_key or ()), host=host, port=port, log_level="warning")
+
+
 if __name__ == "__main__":
     app()
