@@ -67,3 +67,25 @@ def test_refusals_are_clear_errors(setup, tmp_path):
             Client(url, eta=5.0, cache_dir=tmp_path, device="cpu")
         with pytest.raises(ValueError, match="not 'nope'"):
             Client(url, eta=5.0, cache_dir=tmp_path, api_key="k", denoiser="nope", device="cpu")
+
+
+def test_async_client_matches_the_sync_client(setup, tmp_path):
+    import asyncio
+
+    from privlm.snd import AsyncClient
+
+    model, root = setup
+    texts = TEXTS * 5
+    with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"])) as url:
+        with Client(url, eta=5.0, cache_dir=tmp_path, generator=make_generator(4), device="cpu") as client:
+            expected = client.encode(texts, batch_size=4)
+
+        async def run() -> np.ndarray:
+            async with AsyncClient(url, eta=5.0, cache_dir=tmp_path, generator=make_generator(4), device="cpu",
+                                   max_concurrency=3) as async_client:
+                out = await async_client.encode(texts, batch_size=4)
+                assert async_client.last_report.server_calls == 4
+                return out
+
+        got = asyncio.run(run())
+    np.testing.assert_allclose(got, expected, atol=1e-5)

@@ -8,6 +8,7 @@ locally: the same object interface as the in-process ``SnDEncoder``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -17,11 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from privlm.models import TokenEmbedder
+from privlm.models.batching import length_sorted_batches
 from privlm.models.sources import cache_dir as privlm_cache_dir
 from privlm.serve.wire import SAFETENSORS, WireError, decode_embeddings, encode_request
 from privlm.snd.encoder import SnDEncoder
@@ -162,3 +165,70 @@ class Client(SnDEncoder):
             http = getattr(self, "http", None)
             if http is not None:
                 http.close()
+
+
+class AsyncClient:
+    """The async twin of ``Client``: the bundle is fetched once at construction, ``await encode(texts)``
+    privatizes and denoises locally and sends the batches concurrently (at most ``max_concurrency``)."""
+
+    def __init__(self, base_url: str, *, eta: float, max_concurrency: int = 4, timeout: float = 30.0,
+                 api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 **client_options: object) -> None:
+        self.local = Client(base_url, eta=eta, timeout=timeout, api_key=api_key, **client_options)  # type: ignore[arg-type]
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_auth(api_key), transport=transport)
+        self.semaphore = asyncio.Semaphore(max_concurrency)
+
+    @property
+    def last_report(self) -> object:
+        return self.local.last_report
+
+    async def _post(self, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        retrying, last = self.local.retrying, None
+        for attempt in range(retrying.retries + 1):
+            try:
+                response = await self.http.post("/v1/snd/encode", content=body, headers=headers)
+            except httpx.TransportError as error:
+                last = error
+            else:
+                if response.status_code not in RETRY_STATUSES:
+                    _raise_for_client_error(response)
+                    if response.status_code >= 500:
+                        raise ServerError(f"server error {response.status_code}: {response.text[:200]}")
+                    return response
+                last = ServerError(f"server busy ({response.status_code})")
+            if attempt < retrying.retries:
+                await asyncio.sleep(retrying.delay(attempt))
+        raise ServerError(f"no answer after {retrying.retries + 1} attempts: {last}") from last
+
+    async def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        local = self.local
+        private = local.privatize(texts, truncation="count")
+        local._count(private)
+        body, headers = encode_request(private.noisy, private.attention_mask, dtype=local.dtype,
+                                       fmt=local.wire_format)
+        async with self.semaphore:
+            response = await self._post(body, headers)
+        local.last_report.server_calls += 1
+        e_n = decode_embeddings(response.content, dict(response.headers)).to(private.noisy.device)
+        with torch.inference_mode():
+            return local.denoise(private, e_n).float().cpu().numpy()
+
+    async def encode(self, texts: list[str], *, batch_size: int | None = None) -> np.ndarray:
+        """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
+        texts = self.local.prepare(texts)
+        batches = list(length_sorted_batches(texts, batch_size or self.local.batch_size))
+        results = await asyncio.gather(*(self._encode_batch([texts[i] for i in b]) for b in batches))
+        out = np.empty((len(texts), self.local.model.hidden_size), dtype=np.float32)
+        for indices, rows in zip(batches, results, strict=True):
+            out[indices] = rows
+        return out
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        self.local.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

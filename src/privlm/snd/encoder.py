@@ -118,18 +118,23 @@ class SnDEncoder:
 
     def encode(self, texts: Sequence[str], *, batch_size: int | None = None) -> np.ndarray:
         """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
+        texts = self.prepare(texts)
+        return map_in_length_order(texts, self.encode_batch, batch_size=batch_size or self.batch_size)
+
+    def prepare(self, texts: Sequence[str]) -> list[str]:
+        """Check every text before any work; warn about (or refuse) over-long ones; reset the report."""
         texts = list(texts) if not isinstance(texts, str) else texts
         self.last_report = EncodeReport()
-        check_texts(texts)  # every text, before any work is done
+        check_texts(texts)
         long = [i for i, n in enumerate(self.model.token_counts(texts)) if n > self.model.max_length]
         if long:
             message = (f"{len(long)} of {len(texts)} texts are longer than max_length={self.model.max_length} "
                        f"tokens (indices {long[:10]}{'...' if len(long) > 10 else ''})")
             if self.truncation == "error":
                 raise ValueError(message + "; pass truncation='warn' to truncate them")
-            warnings.warn(message + "; they were truncated", stacklevel=2)
+            warnings.warn(message + "; they were truncated", stacklevel=3)
         self.last_report.truncated_indices = long
-        return map_in_length_order(texts, self.encode_batch, batch_size=batch_size or self.batch_size)
+        return texts
 
     def _count(self, private: PrivateBatch) -> None:
         report = self.last_report
