@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import uvicorn
 from fastapi import FastAPI
@@ -39,3 +39,50 @@ def serving(app: FastAPI, port: int | None = None, *, delay: float = 0.0) -> Ite
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+
+
+class RecordingProxy:
+    """A TCP proxy on 127.0.0.1 that forwards to ``target_port`` and records every byte, both ways."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.upstream = bytearray()  # client -> server
+        self.downstream = bytearray()  # server -> client
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.upstream.clear()
+            self.downstream.clear()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(client, server, self.upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.downstream), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, record: bytearray) -> None:
+        try:
+            while data := source.recv(65536):
+                with self.lock:
+                    record.extend(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
