@@ -6,16 +6,22 @@
 3. Perturb a prompt token by token with the plain exponential mechanism, and with Cape's
    bucketized variant, over the whole vocabulary.
 4. Split-N-Denoise in-process: private sentence embeddings, with and without the shipped denoiser.
+5. Split-N-Denoise as a service: ``privlm serve`` and ``privlm gateway`` on localhost, the client
+   SDK, and one request through the gateway with the ``openai`` client.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from privlm.attacks import undo_clip_scale
 from privlm.mechanisms import (
     BucketizedExponentialMechanism,
     DChiLaplace,
@@ -114,6 +120,7 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
                   "spreads its mass over the long tail; bucketing concentrates it on similar tokens at the "
                   "cost of the data-dependent eps' (see README).")
     snd_section(console, model, generator)
+    service_section(console, model, generator)
     return rows
 
 
@@ -129,3 +136,84 @@ def snd_section(console: Console, model: SplitModel, generator: torch.Generator)
     for text, c, r, d in zip(SND_SENTENCES, clean, raw, denoised, strict=True):
         table.add_row(text, f"{float(r @ c):.3f}", f"{float(d @ c):.3f}")
     console.print(table)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(args: list[str], health_url: str, *, timeout: float = 120.0) -> subprocess.Popen[bytes]:
+    """Start ``privlm ARGS`` in the background and wait until its /health answers."""
+    import httpx
+
+    process = subprocess.Popen([sys.executable, "-m", "privlm.cli", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"privlm {' '.join(args)} exited with code {process.returncode}")
+        try:
+            if httpx.get(health_url, timeout=1.0).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.terminate()
+    raise RuntimeError(f"privlm {' '.join(args)} did not answer {health_url} within {timeout:.0f} s")
+
+
+def _stop(*processes: subprocess.Popen[bytes]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def service_section(console: Console, model: SplitModel, generator: torch.Generator) -> None:
+    import openai
+
+    from privlm.snd import Client
+
+    server_port, gateway_port = _free_port(), _free_port()
+    server_url, gateway_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
+    console.print(f"\n[bold]4. SnD as a service[/bold]: `privlm serve` on {server_url}, client SDK, "
+                  f"`privlm gateway` on {gateway_url}")
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        with console.status("Starting privlm serve..."):
+            processes.append(_start(["serve", "--port", str(server_port)], f"{server_url}/health"))
+        with Client(server_url, eta=SND_ETA, generator=generator) as client:
+            private = client.privatize(SND_SENTENCES)
+            e_n = client.server_encode(private)  # the only thing that crossed: X~ and the mask
+            denoised = client.denoise(private, e_n)
+            words = word_positions(model, private.batch.input_ids)
+            # The attacker knows eta and C, so it undoes the clip's scale before the nearest-neighbour search.
+            unclipped = undo_clip_scale(private.noisy, eta=SND_ETA, clip_norm=model.max_embedding_norm,
+                                        vocabulary=model.embedding_matrix)
+            guesses = project_to_vocabulary(unclipped, model.embedding_matrix)
+        clean = model.encode_texts(SND_SENTENCES)
+        table = Table("sentence", "cos(server output, clean)", "cos(denoised, clean)",
+                      "NN attack on what the server saw")
+        for i, text in enumerate(SND_SENTENCES):
+            hits = (guesses[i][words[i]] == private.batch.input_ids[i][words[i]]).float().mean().item()
+            table.add_row(text, f"{float(e_n[i] @ clean[i]):.3f}", f"{float(denoised[i] @ clean[i]):.3f}",
+                          f"{hits:.0%} of tokens")
+        console.print(table)
+        with console.status("Starting privlm gateway..."):
+            processes.append(_start(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", "--port",
+                                     str(gateway_port)], f"{gateway_url}/health"))
+        response = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="local").embeddings.create(
+            model="privlm-snd-minilm", input=[SND_SENTENCES[0]])
+        vector = torch.tensor(response.data[0].embedding)
+        console.print(f"openai client -> gateway -> private round trip: {len(vector)}-d embedding, "
+                      f"cos to the non-private one {float(vector @ clean[0]):.3f}, "
+                      f"{response.usage.prompt_tokens} tokens")
+    finally:
+        _stop(*processes)
+        console.print("Server and gateway stopped.")

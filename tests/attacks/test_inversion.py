@@ -135,3 +135,18 @@ def test_minilm_vocabulary_has_no_duplicate_rows_and_inverts_exactly(minilm, gen
     assert torch.unique(vocab, dim=0).shape[0] == vocab.shape[0]  # so 100% inversion without noise is possible
     true_ids = torch.randint(0, vocab.shape[0], (2000,), generator=generator)
     assert nearest_neighbour_inversion(vocab[true_ids], true_ids, vocab).rate == 1.0
+
+
+def test_undo_clip_scale_restores_the_noisy_norm():
+    from privlm.attacks import undo_clip_scale
+    from privlm.mechanisms import clip_to_norm, make_generator, sample_dchi_noise
+
+    vocabulary = torch.randn(500, 64, generator=torch.Generator().manual_seed(0)) * 0.2
+    x = vocabulary[:200]
+    noisy = x + sample_dchi_noise(x.shape, eta=10.0, generator=make_generator(1))
+    clipped = clip_to_norm(noisy, max_norm=2.0)
+    restored = undo_clip_scale(clipped, eta=10.0, clip_norm=2.0, vocabulary=vocabulary)
+    ratio = restored.norm(dim=-1) / noisy.norm(dim=-1)
+    assert abs(ratio.mean().item() - 1) < 0.05
+    torch.testing.assert_close(torch.nn.functional.normalize(restored, dim=-1),
+                               torch.nn.functional.normalize(noisy, dim=-1))

@@ -10,7 +10,7 @@ from privlm.attacks.audit import (
     dchi_sampler,
     exponential_sampler,
 )
-from privlm.attacks.inversion import knn_attack, nearest_neighbour_inversion, token_id_inversion
+from privlm.attacks.inversion import knn_attack, nearest_neighbour_inversion, token_id_inversion, undo_clip_scale
 from privlm.attacks.masked_token import masked_token_inference
 from privlm.attacks.mutual_information import (
     kozachenko_leonenko_entropy,
@@ -52,4 +52,5 @@ __all__ = [
     "score_result",
     "token_accuracy",
     "token_id_inversion",
+    "undo_clip_scale",
 ]

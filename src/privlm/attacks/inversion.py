@@ -16,6 +16,8 @@ Exact ties between vocabulary rows are broken by ``torch.topk``; a vocabulary wi
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from privlm._validation import check_float_tensor, check_positive_int
@@ -106,3 +108,14 @@ def token_id_inversion(
     embedded = vocabulary[released_ids.to(vocabulary.device)]
     return nearest_neighbour_inversion(embedded, true_ids, vocabulary, mask=mask, k=k, chunk_size=chunk_size,
                                        name=f"token-id-inversion-top{k}")
+
+
+def undo_clip_scale(clipped: torch.Tensor, *, eta: float, clip_norm: float, vocabulary: torch.Tensor) -> torch.Tensor:
+    """An attacker's best guess at x + z from the clipped release (x + z) * C / ||x + z||.
+
+    Clipping keeps the direction; the attacker knows eta and C, and ||x + z|| concentrates near
+    sqrt(E||x||^2 + E||z||^2) with E||z||^2 = d (d + 1) / eta^2 (Gamma(d, 1/eta) second moment).
+    """
+    d = clipped.shape[-1]
+    mean_sq = vocabulary.float().pow(2).sum(-1).mean().item()
+    return clipped * (math.sqrt(mean_sq + d * (d + 1) / eta**2) / clip_norm)

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,13 +157,6 @@ class Client(SnDEncoder):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            http = getattr(self, "http", None)
-            if http is not None:
-                http.close()
 
 
 class AsyncClient:

@@ -98,6 +98,7 @@ class SnDEncoder:
         self.last_report.server_calls += 1
         return self._server(private.noisy, private.attention_mask).to(private.noisy.device)
 
+    @torch.inference_mode()
     def denoise(self, private: PrivateBatch, e_n: torch.Tensor) -> torch.Tensor:
         """Client: D(e_n, X~, Z~), normalised like the base model's embeddings."""
         if self.denoiser is None:

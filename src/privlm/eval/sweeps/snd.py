@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from privlm.attacks import attribute_inference, mutual_information, nearest_neighbour_inversion
+from privlm.attacks import attribute_inference, mutual_information, nearest_neighbour_inversion, undo_clip_scale
 from privlm.baselines import Text2Text, TokEmbPriv
 from privlm.baselines.common import text_positions
 from privlm.eval.bench import Point, Sweep
@@ -202,9 +202,9 @@ class SnDSweep:
         # For Text2Text the vectors are rows of released ids: the attack succeeds iff the id was kept.
         inversion = nearest_neighbour_inversion(vectors, ids, self.model.embedding_matrix, mask=user_text)
         if kind == "clipped":  # the attacker knows eta and C: undo the clip's scale with the expected norm
-            rescaled = nearest_neighbour_inversion(vectors * (self._expected_noisy_norm(eta) /
-                                                              self.model.max_embedding_norm),
-                                                   ids, self.model.embedding_matrix, mask=user_text)
+            unclipped = undo_clip_scale(vectors, eta=eta, clip_norm=self.model.max_embedding_norm,
+                                        vocabulary=self.model.embedding_matrix)
+            rescaled = nearest_neighbour_inversion(unclipped, ids, self.model.embedding_matrix, mask=user_text)
             inversion = max(inversion, rescaled, key=lambda r: r.rate)
         attribute = attribute_inference(self._pooled_release(kind, eta, task, "train"), self._labels(task, "train"),
                                         self._pooled_release(kind, eta, task, "test"), self._labels(task, "test"),
@@ -213,12 +213,6 @@ class SnDSweep:
                 "attack_ci_high": inversion.ci_high, "attribute_inference": attribute.rate,
                 "attribute_chance": attribute.chance if attribute.chance is not None else math.nan,
                 "mutual_information": self._mutual_information(kind, eta, ids[user_text])}
-
-    def _expected_noisy_norm(self, eta: float) -> float:
-        """sqrt(E||x||^2 + E||z||^2) with E||z||^2 = d (d + 1) / eta^2 (Gamma second moment)."""
-        d = self.model.hidden_size
-        mean_sq = self.model.embedding_matrix.float().pow(2).sum(-1).mean().item()
-        return math.sqrt(mean_sq + d * (d + 1) / eta**2)
 
     def _mutual_information(self, kind: str, eta: float, token_ids: torch.Tensor) -> float:
         """KL estimate of I(X; X + Z) over distinct tokens. Clipping is post-processing, so for the clipped
