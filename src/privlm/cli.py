@@ -139,6 +139,21 @@ def bench_snd(
     console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
 
 
+@bench_app.command("serve")
+def bench_serve(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/serve"),
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Throughput and p50/p99 latency at 1, 8 and 32 clients, against the plain forward; a restart mid-run."""
+    from privlm.eval.sweeps.serve_load import write_serve_report
+
+    with console.status("Loading, starting the server, and loading it with 1, 8 and 32 clients..."):
+        files = write_serve_report(out, model=model, seed=seed)
+    console.print((out / "serve.md").read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
 snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
 app.add_typer(snd_app, name="snd")
 

@@ -57,6 +57,7 @@ def test_retries_until_the_server_comes_up(setup, tmp_path):
         client = Client(f"http://127.0.0.1:{port}", eta=5.0, cache_dir=tmp_path, backoff=0.2, retries=8,
                         device="cpu")
         assert client.encode(TEXTS[:1]).shape == (1, 32)
+        assert client.retrying.failed_attempts >= 1  # it really had to retry
         client.close()
 
 

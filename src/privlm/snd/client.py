@@ -53,6 +53,7 @@ class Retrying:
 
     def __init__(self, *, retries: int, backoff: float, max_backoff: float = 8.0) -> None:
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.failed_attempts = 0  # connection errors and busy answers seen so far (all retried or raised)
 
     def delay(self, attempt: int) -> float:
         return min(self.max_backoff, self.backoff * 2**attempt)
@@ -71,6 +72,7 @@ class Retrying:
                         raise ServerError(f"server error {response.status_code}: {response.text[:200]}")
                     return response
                 last = ServerError(f"server busy ({response.status_code})")
+            self.failed_attempts += 1
             if attempt < self.retries:
                 time.sleep(self.delay(attempt))
         raise ServerError(f"no answer after {self.retries + 1} attempts: {last}") from last
@@ -188,6 +190,7 @@ class AsyncClient:
                         raise ServerError(f"server error {response.status_code}: {response.text[:200]}")
                     return response
                 last = ServerError(f"server busy ({response.status_code})")
+            retrying.failed_attempts += 1
             if attempt < retrying.retries:
                 await asyncio.sleep(retrying.delay(attempt))
         raise ServerError(f"no answer after {retrying.retries + 1} attempts: {last}") from last
