@@ -13,8 +13,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ from privlm.mechanisms import (
     squared_distances,
 )
 from privlm.models import SplitModel
+from privlm.serve.process import free_port, start_privlm, stop
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
 PROMPT = "My name is Alice and I live in Boston."
@@ -138,56 +137,19 @@ def snd_section(console: Console, model: SplitModel, generator: torch.Generator)
     console.print(table)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(args: list[str], health_url: str, *, timeout: float = 120.0) -> subprocess.Popen[bytes]:
-    """Start ``privlm ARGS`` in the background and wait until its /health answers."""
-    import httpx
-
-    process = subprocess.Popen([sys.executable, "-m", "privlm.cli", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"privlm {' '.join(args)} exited with code {process.returncode}")
-        try:
-            if httpx.get(health_url, timeout=1.0).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.terminate()
-    raise RuntimeError(f"privlm {' '.join(args)} did not answer {health_url} within {timeout:.0f} s")
-
-
-def _stop(*processes: subprocess.Popen[bytes]) -> None:
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
 def service_section(console: Console, model: SplitModel, generator: torch.Generator) -> None:
     import openai
 
     from privlm.snd import Client
 
-    server_port, gateway_port = _free_port(), _free_port()
+    server_port, gateway_port = free_port(), free_port()
     server_url, gateway_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
     console.print(f"\n[bold]4. SnD as a service[/bold]: `privlm serve` on {server_url}, client SDK, "
                   f"`privlm gateway` on {gateway_url}")
     processes: list[subprocess.Popen[bytes]] = []
     try:
         with console.status("Starting privlm serve..."):
-            processes.append(_start(["serve", "--port", str(server_port)], f"{server_url}/health"))
+            processes.append(start_privlm(["serve", "--port", str(server_port)], f"{server_url}/health"))
         with Client(server_url, eta=SND_ETA, generator=generator) as client:
             private = client.privatize(SND_SENTENCES)
             e_n = client.server_encode(private)  # the only thing that crossed: X~ and the mask
@@ -206,7 +168,7 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
                           f"{hits:.0%} of tokens")
         console.print(table)
         with console.status("Starting privlm gateway..."):
-            processes.append(_start(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", "--port",
+            processes.append(start_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", "--port",
                                      str(gateway_port)], f"{gateway_url}/health"))
         response = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="local").embeddings.create(
             model="privlm-snd-minilm", input=[SND_SENTENCES[0]])
@@ -215,5 +177,5 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
                       f"cos to the non-private one {float(vector @ clean[0]):.3f}, "
                       f"{response.usage.prompt_tokens} tokens")
     finally:
-        _stop(*processes)
+        stop(*processes)
         console.print("Server and gateway stopped.")

@@ -11,11 +11,7 @@ from contextlib import contextmanager, suppress
 import uvicorn
 from fastapi import FastAPI
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from privlm.serve.process import free_port
 
 
 @contextmanager

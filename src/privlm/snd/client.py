@@ -39,13 +39,19 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _raise_for_client_error(response: httpx.Response) -> None:
-    if 400 <= response.status_code < 500 and response.status_code not in RETRY_STATUSES:
+def final_response(response: httpx.Response) -> httpx.Response | None:
+    """The response if it is final; None if it should be retried. 4xx raise ValueError, 5xx ServerError."""
+    if response.status_code in RETRY_STATUSES:
+        return None
+    if 400 <= response.status_code < 500:
         try:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = response.text[:200]
         raise ValueError(f"server refused the request ({response.status_code}): {message}")
+    if response.status_code >= 500:
+        raise ServerError(f"server error {response.status_code}: {response.text[:200]}")
+    return response
 
 
 class Retrying:
@@ -62,16 +68,13 @@ class Retrying:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                response = send()
+                response = final_response(send())
             except httpx.TransportError as error:
                 last = error
             else:
-                if response.status_code not in RETRY_STATUSES:
-                    _raise_for_client_error(response)
-                    if response.status_code >= 500:
-                        raise ServerError(f"server error {response.status_code}: {response.text[:200]}")
+                if response is not None:
                     return response
-                last = ServerError(f"server busy ({response.status_code})")
+                last = ServerError("server busy (429/502/503/504)")
             self.failed_attempts += 1
             if attempt < self.retries:
                 time.sleep(self.delay(attempt))
@@ -180,16 +183,13 @@ class AsyncClient:
         retrying, last = self.local.retrying, None
         for attempt in range(retrying.retries + 1):
             try:
-                response = await self.http.post("/v1/snd/encode", content=body, headers=headers)
+                response = final_response(await self.http.post("/v1/snd/encode", content=body, headers=headers))
             except httpx.TransportError as error:
                 last = error
             else:
-                if response.status_code not in RETRY_STATUSES:
-                    _raise_for_client_error(response)
-                    if response.status_code >= 500:
-                        raise ServerError(f"server error {response.status_code}: {response.text[:200]}")
+                if response is not None:
                     return response
-                last = ServerError(f"server busy ({response.status_code})")
+                last = ServerError("server busy (429/502/503/504)")
             retrying.failed_attempts += 1
             if attempt < retrying.retries:
                 await asyncio.sleep(retrying.delay(attempt))

@@ -10,7 +10,6 @@ import asyncio
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from privlm.eval.data import named_task, split_dataset
 from privlm.eval.provenance import provenance
 from privlm.models import SplitModel
+from privlm.serve.process import free_port, start_privlm, stop
 from privlm.serve.wire import encode_request
 from privlm.snd import Client
 from privlm.snd.privatizer import SnDPrivatizer
@@ -29,25 +29,8 @@ SENTENCES_PER_REQUEST = 8
 REQUESTS_PER_CLIENT = 24
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(port: int, model: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, "-m", "privlm.cli", "serve", "--model", model, "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("privlm serve did not start")
+    return start_privlm(["serve", "--model", model, "--port", str(port)], f"http://127.0.0.1:{port}/health")
 
 
 def _payloads(model: SplitModel, texts: list[str]) -> list[tuple[bytes, dict[str, str]]]:
@@ -127,7 +110,7 @@ def write_serve_report(out_dir: Path, *, model: str = "minilm", seed: int = 0) -
     split_model = SplitModel.from_pretrained(model, device="cpu")
     texts = list(split_dataset(named_task("tweets-binary"), seed=seed).test.texts[:512])
     payloads = _payloads(split_model, texts)
-    port = _free_port()
+    port = free_port()
     server = start_server(port, model)
     try:
         load = [asyncio.run(_load(f"http://127.0.0.1:{port}", payloads, clients)) for clients in (1, 8, 32)]
@@ -135,8 +118,7 @@ def write_serve_report(out_dir: Path, *, model: str = "minilm", seed: int = 0) -
         restart = restart_check(model, split_model, texts[:400], port, server)
         server = restart.pop("server", server)  # type: ignore[assignment]
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
     for row in load:
         row["fraction_of_plain_forward"] = row["sentences_per_s"] / plain
     payload = {"metadata": provenance(seed=seed), "plain_forward_sentences_per_s": plain, "load": load,

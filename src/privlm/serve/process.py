@@ -1,0 +1,44 @@
+"""Running ``privlm serve`` / ``privlm gateway`` as background processes on localhost (demo, benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_privlm(args: list[str], health_url: str, *, timeout: float = 120.0) -> subprocess.Popen[bytes]:
+    """Start ``privlm ARGS`` in the background and wait until ``health_url`` answers 200."""
+    process = subprocess.Popen([sys.executable, "-m", "privlm.cli", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"privlm {' '.join(args)} exited with code {process.returncode}")
+        try:
+            if httpx.get(health_url, timeout=1.0).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"privlm {' '.join(args)} did not answer {health_url} within {timeout:.0f} s")
+
+
+def stop(*processes: subprocess.Popen[bytes]) -> None:
+    """Terminate, then kill whatever is still running after 15 s."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
