@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -21,6 +22,9 @@ from transformers import (
     T5Config,
     T5EncoderModel,
 )
+
+if TYPE_CHECKING:
+    from privlm.models import SplitModel
 
 VOCAB = 99
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", ".", ","]
@@ -60,3 +64,17 @@ def tiny_bert_folder(path: Path) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def train_tiny_denoiser(model: SplitModel, out_dir: Path, *, variant: str = "snd", steps: int = 2) -> Path:
+    """A one-layer denoiser for a tiny model, trained for a couple of steps (services and sweeps tests)."""
+    from rich.console import Console
+
+    from privlm.snd.training import DenoiserTrainer, TrainingConfig
+
+    config = TrainingConfig(eta_min=2.0, eta_max=20.0, max_tokens=16, batch_size=8, max_steps=steps, eval_every=steps,
+                            n_validation=20, variant=variant,
+                            model_overrides={"n_heads": 4, "d_ff": 64, "n_layers": 1})
+    corpus = [f"the cat sat on the mat w{i}" for i in range(60)]
+    DenoiserTrainer(model, corpus, config=config, out_dir=out_dir, console=Console(quiet=True)).train()
+    return out_dir

@@ -2,14 +2,12 @@
 
 import numpy as np
 import pytest
-from rich.console import Console
 
 from privlm.mechanisms import make_generator
 from privlm.models import SplitModel
 from privlm.serve.server import create_app
 from privlm.snd import Client, SnDEncoder
-from privlm.snd.training import DenoiserTrainer, TrainingConfig
-from tests.models.tiny import tiny_bert_folder
+from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 from tests.serve.localhost import serving
 
 TEXTS = ["the cat sat on the mat .", "a dog", "the dog sat , the cat sat"]
@@ -19,10 +17,7 @@ TEXTS = ["the cat sat on the mat .", "a dog", "the dog sat , the cat sat"]
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("client")
     model = SplitModel.from_pretrained(tiny_bert_folder(root / "model"), device="cpu")
-    config = TrainingConfig(eta_min=2.0, eta_max=20.0, max_tokens=16, batch_size=8, max_steps=2, eval_every=2,
-                            n_validation=20, model_overrides={"n_heads": 4, "d_ff": 64, "n_layers": 1})
-    corpus = [f"the cat sat on the mat w{i}" for i in range(60)]
-    DenoiserTrainer(model, corpus, config=config, out_dir=root / "snd-tiny", console=Console(quiet=True)).train()
+    train_tiny_denoiser(model, root / "snd-tiny")
     return model, root
 
 

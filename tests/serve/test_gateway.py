@@ -5,14 +5,12 @@ import base64
 import numpy as np
 import openai
 import pytest
-from rich.console import Console
 
 from privlm.models import SplitModel
 from privlm.serve.gateway import create_gateway
 from privlm.serve.server import create_app
 from privlm.snd import Client
-from privlm.snd.training import DenoiserTrainer, TrainingConfig
-from tests.models.tiny import tiny_bert_folder
+from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 from tests.serve.localhost import serving
 
 
@@ -20,10 +18,7 @@ from tests.serve.localhost import serving
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
     model = SplitModel.from_pretrained(tiny_bert_folder(root / "model"), device="cpu")
-    config = TrainingConfig(eta_min=2.0, eta_max=20.0, max_tokens=16, batch_size=8, max_steps=2, eval_every=2,
-                            n_validation=20, model_overrides={"n_heads": 4, "d_ff": 64, "n_layers": 1})
-    DenoiserTrainer(model, [f"the cat sat w{i}" for i in range(60)], config=config, out_dir=root / "snd-tiny",
-                    console=Console(quiet=True)).train()
+    train_tiny_denoiser(model, root / "snd-tiny")
     with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"])) as server_url:
         client = Client(server_url, eta=5.0, cache_dir=root / "cache", device="cpu")
         with serving(create_gateway(client, api_keys=["local-key"])) as gateway_url:

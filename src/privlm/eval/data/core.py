@@ -117,6 +117,13 @@ class Splits:
     seed: int
     indices: dict[str, np.ndarray] = field(default_factory=dict)
 
+    def head(self, *, train: int, validation: int, test: int) -> Splits:
+        """The first n of each (already shuffled) split: caps compute, selects nothing."""
+        def first(data: TextDataset, n: int) -> TextDataset:
+            return data.subset(np.arange(min(n, len(data))))
+        return Splits(train=first(self.train, train), validation=first(self.validation, validation),
+                      test=first(self.test, test), seed=self.seed)
+
 
 # ---------------------------------------------------------------- validation and sampling
 

@@ -19,7 +19,7 @@ from privlm.attacks import AttackResult, nearest_neighbour_inversion, token_id_i
 from privlm.baselines import Text2Text, TokEmbPriv
 from privlm.baselines.common import text_positions
 from privlm.eval.bench import Point, Sweep
-from privlm.eval.data import Splits, TextDataset, named_task, split_dataset
+from privlm.eval.data import named_task, split_dataset
 from privlm.eval.probes import embedding_agreement, evaluate_probe
 from privlm.mechanisms import make_generator
 from privlm.models import SplitModel
@@ -40,14 +40,6 @@ class Setting:
     device: str = "auto"
 
 
-def _take(splits: Splits, setting: Setting) -> Splits:
-    """The first n of each (already shuffled) split: the sizes cap compute, not selection."""
-    def first(data: TextDataset, n: int) -> TextDataset:
-        return data.subset(np.arange(min(n, len(data))))
-    return Splits(train=first(splits.train, setting.n_train), validation=first(splits.validation,
-                  setting.n_validation), test=first(splits.test, setting.n_test), seed=splits.seed)
-
-
 class BaselinesSweep:
     """State shared across points: the model, the splits and the clean embeddings."""
 
@@ -55,7 +47,8 @@ class BaselinesSweep:
         self.setting = setting
         self.model = SplitModel.from_pretrained(setting.model, device=setting.device)
         data = named_task(setting.task)
-        self.splits = _take(split_dataset(data, seed=setting.seed), setting)
+        self.splits = split_dataset(data, seed=setting.seed).head(
+            train=setting.n_train, validation=setting.n_validation, test=setting.n_test)
         self.clean = {name: self.model.encode_texts(self._texts(name)).numpy() for name in self._split_names}
 
     _split_names = ("train", "validation", "test")

@@ -26,7 +26,7 @@ from privlm.attacks import attribute_inference, mutual_information, nearest_neig
 from privlm.baselines import Text2Text, TokEmbPriv
 from privlm.baselines.common import text_positions
 from privlm.eval.bench import Point, Sweep
-from privlm.eval.data import Splits, TextDataset, named_task, public_corpus, split_dataset
+from privlm.eval.data import Splits, named_task, public_corpus, split_dataset
 from privlm.eval.probes import embedding_agreement, evaluate_probe
 from privlm.mechanisms import make_generator, sample_dchi_noise
 from privlm.models import SplitModel
@@ -62,10 +62,6 @@ class SnDSetting:
     calibration: dict[str, object] = field(default_factory=dict)
 
 
-def _first(data: TextDataset, n: int) -> TextDataset:
-    return data.subset(np.arange(min(n, len(data))))
-
-
 class SnDSweep:
     def __init__(self, setting: SnDSetting) -> None:
         self.setting = setting
@@ -73,10 +69,8 @@ class SnDSweep:
         self.splits: dict[str, Splits] = {}
         self.clean: dict[str, dict[str, np.ndarray]] = {}
         for task in setting.tasks:
-            splits = split_dataset(named_task(task), seed=setting.seed)
-            self.splits[task] = Splits(train=_first(splits.train, setting.n_train),
-                                       validation=_first(splits.validation, setting.n_validation),
-                                       test=_first(splits.test, setting.n_test), seed=splits.seed)
+            self.splits[task] = split_dataset(named_task(task), seed=setting.seed).head(
+                train=setting.n_train, validation=setting.n_validation, test=setting.n_test)
             self.clean[task] = {s: self.model.encode_texts(self._texts(task, s)).numpy() for s in SPLITS}
         self.encoders = self._available_methods()
         self._privacy_cache: dict[tuple[str, float, str], dict[str, float]] = {}
