@@ -112,6 +112,7 @@ def bench_snd(
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     cost: Annotated[bool, typer.Option("--cost", help="Measure client time, bytes and memory instead.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the points an interrupted run finished.")] = False,
 ) -> None:
     """SnD vs baselines and ablations at calibrated etas: utility, attacks, privacy-utility plots."""
     from privlm.eval.bench import run_sweep
@@ -134,7 +135,7 @@ def bench_snd(
     with console.status("Loading, encoding the clean splits and calibrating eta..."):
         sweep = snd_sweep(setting)
     console.print(f"Levels: {sweep.levels}; methods: {list(sweep.methods)}")
-    report = run_sweep(sweep, out_dir=out, seed=seed, console=console)
+    report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
     console.print((out / "results.md").read_text())
     console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
 
@@ -221,8 +222,17 @@ def serve(
     max_batch_rows: Annotated[int, typer.Option(help="Micro-batch size bound (sentences).")] = 64,
     max_wait_ms: Annotated[float, typer.Option(help="Micro-batch wait bound.")] = 5.0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm[ray]).")] = False,
+    replicas: Annotated[int, typer.Option(help="With --ray: number of replicas.")] = 1,
+    replica_cpus: Annotated[float, typer.Option(help="With --ray: CPUs reserved per replica.")] = 1.0,
+    ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")] = None,
 ) -> None:
     """The vendor's SnD server: noisy token embeddings in, pooled embeddings out. Never sees text."""
+    if ray:
+        _serve_with_ray(model=model, host=host, port=port, api_keys=api_key or (), denoiser_dirs=denoiser,
+                        max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms, device=device, replicas=replicas,
+                        replica_cpus=replica_cpus, address=ray_address)
+        return
     import uvicorn
 
     from privlm.models import SplitModel
@@ -232,6 +242,19 @@ def serve(
     app_ = create_app(split_model, denoiser_dirs=denoiser or None, api_keys=api_key or (),
                       max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
+def _serve_with_ray(*, model: str, host: str, port: int, api_keys: list[str] | tuple[str, ...],
+                    denoiser_dirs: list[Path] | None, max_batch_rows: int, max_wait_ms: float, device: str,
+                    replicas: int, replica_cpus: float, address: str | None) -> None:
+    try:
+        from privlm.serve.ray_deployment import run_blocking, snd_application
+    except ImportError as error:
+        raise typer.BadParameter(str(error), param_hint="--ray") from None
+    application = snd_application(model, replicas=replicas, replica_cpus=replica_cpus, denoiser_dirs=denoiser_dirs,
+                                  api_keys=api_keys, max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms,
+                                  device="cpu" if device == "auto" else device)
+    run_blocking(application, host=host, port=port, address=address)
 
 
 @app.command()

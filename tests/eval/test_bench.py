@@ -1,6 +1,7 @@
 import json
 import math
 
+import pytest
 from PIL import Image
 from rich.console import Console
 
@@ -33,3 +34,28 @@ def test_sweep_writes_json_markdown_and_plots(tmp_path):
     for task in ("t1", "t2"):
         image = Image.open(tmp_path / f"privacy_utility_{task}.png")
         assert image.size[0] > 500 and image.size[1] > 300
+
+
+def test_a_crashed_sweep_resumes_where_it_stopped(tmp_path):
+    sweep, evaluated = _toy_sweep(), []
+    toy_evaluate = sweep.evaluate
+
+    def crashing(point: Point) -> dict[str, float]:
+        if point == Point("b", 10.0, "t2"):
+            raise RuntimeError("killed")
+        evaluated.append(point)
+        return toy_evaluate(point)
+
+    sweep.evaluate = crashing
+    with pytest.raises(RuntimeError, match="killed"):
+        run_sweep(sweep, out_dir=tmp_path, seed=0, console=Console(quiet=True))
+    finished = len(evaluated)
+    assert len((tmp_path / "results.partial.jsonl").read_text().splitlines()) == finished
+    sweep.evaluate = lambda point: evaluated.append(point) or toy_evaluate(point)
+    report = run_sweep(sweep, out_dir=tmp_path, seed=0, console=Console(quiet=True), resume=True)
+    assert len(evaluated) == len(sweep.points())  # each point evaluated exactly once over the two runs
+    assert [(r["task"], r["method"], r["eta"]) for r in report.rows] == [
+        (p.task, p.method, p.level) for p in sweep.points()]
+    assert not (tmp_path / "results.partial.jsonl").exists()
+    fresh = run_sweep(_toy_sweep(), out_dir=tmp_path / "fresh", seed=0, console=Console(quiet=True))
+    assert [r["auc"] for r in report.rows] == [r["auc"] for r in fresh.rows]

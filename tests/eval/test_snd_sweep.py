@@ -5,23 +5,29 @@ from rich.console import Console
 from privlm.eval.bench import run_sweep
 from privlm.eval.sweeps.snd import SnDSetting, snd_sweep
 from privlm.models import SplitModel
+from privlm.snd.encoder import SnDEncoder
 from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 
 QUIET = Console(quiet=True)
+BATCH = SnDEncoder.__init__.__kwdefaults__["batch_size"]
 
 
 def test_snd_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
     folder = tiny_bert_folder(tmp_path / "model")
     model = SplitModel.from_pretrained(folder, device="cpu")
-    for variant in ("snd", "local"):
+    for variant in ("snd", "server", "local"):
         train_tiny_denoiser(model, tmp_path / "denoisers" / variant, variant=variant)
     setting = SnDSetting(model=str(folder), tasks=("tweets-binary",), n_train=60, n_validation=30, n_test=40,
                          attack_sentences=10, probe="logistic", device="cpu", etas=(5.0,),
                          denoisers=str(tmp_path / "denoisers"))
     sweep = snd_sweep(setting)
     # No default denoiser ships for the tiny model, so SnD appears only at the ablation budget.
-    assert list(sweep.methods) == ["TokEmbPriv", "Text2Text", "SnD, ablation budget", "local-only model"]
+    assert list(sweep.methods) == ["TokEmbPriv", "Text2Text", "SnD, ablation budget", "server-side denoiser",
+                                   "local-only model"]
     report = run_sweep(sweep, out_dir=tmp_path / "out", seed=0, console=QUIET)
+    # SnD and the server-side denoiser draw the same X~, so the server runs once per batch, not twice.
+    batches = sum(math.ceil(n / BATCH) for n in (60, 30, 40))
+    assert len(sweep.evaluate.__self__._server_outputs) == batches
     rows = {row["method"]: row for row in report.rows}
     assert rows["non-private"]["attack_success"] == 1.0 and math.isinf(rows["non-private"]["eta"])
     assert rows["local-only model"]["sent_to_server"] == 0.0

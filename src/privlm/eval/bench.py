@@ -63,30 +63,50 @@ def _json_safe(value: object) -> object:
 
 
 def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None = None,
-              command: list[str] | None = None) -> BenchReport:
+              command: list[str] | None = None, resume: bool = False) -> BenchReport:
+    """Evaluate every point; with ``resume``, keep the points a crashed run already finished."""
     console = console or Console()
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = provenance(seed=seed, command=command) | {"sweep": sweep.name, "description": sweep.description,
                                                      "settings": sweep.settings, "level_name": sweep.level_name}
-    rows: list[dict[str, object]] = []
+    partial = out_dir / "results.partial.jsonl"
+    rows = _resumable_rows(partial, sweep) if resume else []
+    done = {(r["task"], r["method"], r[sweep.level_name]) for r in rows}
+    if not resume:
+        partial.unlink(missing_ok=True)
     started = time.perf_counter()
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        overall = progress.add_task(f"sweep {sweep.name}", total=len(sweep.points()))
+        overall = progress.add_task(f"sweep {sweep.name}", total=len(sweep.points()), completed=len(done))
         for point in sweep.points():
+            if (point.task, point.method, point.level) in done:
+                continue
             progress.update(overall, description=f"{sweep.name}: {point.task} / {point.method} / "
                                                  f"{sweep.level_name}={point.level:g}")
             t0 = time.perf_counter()
             metrics = sweep.evaluate(point)
             rows.append({"task": point.task, "method": point.method, sweep.level_name: point.level,
                          **metrics, "seconds": round(time.perf_counter() - t0, 2)})
+            with partial.open("a") as file:  # one line per finished point, so a crash loses one point only
+                file.write(json.dumps({k: _json_safe(v) for k, v in rows[-1].items()}) + "\n")
             progress.advance(overall)
+    partial.unlink(missing_ok=True)
+    order = {(p.task, p.method, p.level): i for i, p in enumerate(sweep.points())}
+    rows.sort(key=lambda r: order[(r["task"], r["method"], r[sweep.level_name])])
     meta["wall_seconds"] = round(time.perf_counter() - started, 1)
     files = [out_dir / "results.json", out_dir / "results.md"]
     payload = {"metadata": meta, "rows": [{k: _json_safe(v) for k, v in row.items()} for row in rows]}
     meta |= {"utility_metric": sweep.utility_metric, "attack_metric": sweep.attack_metric}
     files[0].write_text(json.dumps(payload, indent=2) + "\n")
     return BenchReport(directory=out_dir, rows=rows, files=files[:1] + render_report(out_dir))
+
+
+def _resumable_rows(partial: Path, sweep: Sweep) -> list[dict[str, object]]:
+    if not partial.exists():
+        return []
+    wanted = {(p.task, p.method, p.level) for p in sweep.points()}
+    rows = [{k: _from_json(v) for k, v in json.loads(line).items()} for line in partial.read_text().splitlines()]
+    return [r for r in rows if (r["task"], r["method"], r[sweep.level_name]) in wanted]
 
 
 def _from_json(value: object) -> object:
