@@ -266,6 +266,7 @@ def gateway(
     server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server.")] = None,
     api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable).")] = None,
     denoiser: Annotated[str, typer.Option(help="auto, a denoiser name from the bundle, or none.")] = "auto",
+    truncate: Annotated[bool, typer.Option("--truncate", help="Cut over-long texts instead of refusing them.")] = False,
 ) -> None:
     """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
     import uvicorn
@@ -274,7 +275,8 @@ def gateway(
     from privlm.snd import Client
 
     client = Client(server, eta=eta, api_key=server_api_key, denoiser=None if denoiser == "none" else denoiser)
-    uvicorn.run(create_gateway(client, api_keys=api_key or ()), host=host, port=port, log_level="warning")
+    uvicorn.run(create_gateway(client, api_keys=api_key or (), truncate=truncate), host=host, port=port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

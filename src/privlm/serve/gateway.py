@@ -33,8 +33,17 @@ def _embedding_item(index: int, vector: np.ndarray, encoding: str) -> dict[str, 
     return {"object": "embedding", "index": index, "embedding": value}
 
 
-def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: int = 2048) -> FastAPI:
-    """The gateway around one configured ``Client`` (eta, denoiser and server are fixed at start)."""
+MAX_REQUEST_BYTES = 8 * 2**20
+
+
+def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: int = 2048,
+                   truncate: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The gateway around one configured ``Client`` (eta, denoiser and server are fixed at start).
+
+    A text longer than the model's maximum is refused with a 400 naming ``max_tokens`` (as OpenAI
+    does), unless ``truncate``: then it is cut and the response header ``x-privlm-truncated``
+    lists the indices of the cut inputs.
+    """
     app = FastAPI(title="privlm gateway (OpenAI-compatible embeddings)", version="1")
     keys = frozenset(api_keys)
     model_id = f"privlm-snd-{client.model.name}"
@@ -60,11 +69,24 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "privlm"}]}
 
+    @app.middleware("http")
+    async def bounded_body(request: Request, call_next):  # before the JSON is parsed
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            return error_response(413, f"request of {declared} bytes exceeds max_request_bytes={max_request_bytes}",
+                                  limit="max_request_bytes")
+        return await call_next(request)
+
     @app.post("/v1/embeddings", dependencies=[Depends(authorised)])
     async def embeddings(request: EmbeddingRequest) -> JSONResponse:
         texts = [request.input] if isinstance(request.input, str) else request.input
         if not texts or len(texts) > max_inputs:
             return error_response(400, f"input must hold 1 to {max_inputs} texts, got {len(texts)}", limit="input")
+        too_long = [i for i, n in enumerate(client.model.token_counts(texts)) if n > client.model.max_length]
+        if too_long and not truncate:
+            return error_response(400, f"inputs {too_long[:10]} exceed the model's maximum of "
+                                       f"{client.model.max_length} tokens (start the gateway with --truncate "
+                                       "to cut them instead)", limit="max_tokens")
         if request.dimensions is not None and request.dimensions != client.model.hidden_size:
             return error_response(400, f"dimensions must be {client.model.hidden_size} for this model",
                                   limit="dimensions")
@@ -77,8 +99,9 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
         except ServerError as error:
             return error_response(502, f"the SnD server failed: {error}", kind="upstream_error")
         data = [_embedding_item(i, v, request.encoding_format) for i, v in enumerate(vectors)]
+        headers = {"x-privlm-truncated": ",".join(map(str, too_long))} if too_long else None
         return JSONResponse({"object": "list", "data": data, "model": model_id,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
 
     return app
 
