@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -64,7 +65,12 @@ def bench_report(directory: Annotated[Path, typer.Argument(help="A folder holdin
 
     if not (directory / "results.json").exists():
         raise typer.BadParameter(f"{directory} has no results.json")
-    console.print(f"Wrote {', '.join(str(f) for f in render_report(directory))}")
+    files = render_report(directory)
+    if json.loads((directory / "results.json").read_text())["metadata"]["sweep"] == "snd":
+        from privlm.eval.sweeps.snd_claims import write_claims
+
+        files.append(write_claims(directory))
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
 
 
 @bench_app.command("baselines")
@@ -136,8 +142,12 @@ def bench_snd(
         sweep = snd_sweep(setting)
     console.print(f"Levels: {sweep.levels}; methods: {list(sweep.methods)}")
     report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
+    from privlm.eval.sweeps.snd_claims import write_claims
+
+    claims = write_claims(out)
     console.print((out / "results.md").read_text())
-    console.print(f"Wrote {', '.join(str(f) for f in report.files)}")
+    console.print(claims.read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in [*report.files, claims])}")
 
 
 @bench_app.command("serve")
