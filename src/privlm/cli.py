@@ -192,6 +192,8 @@ def snd_train(
     layers: Annotated[int | None, typer.Option(help="Denoiser layers (default: sized after the paper).")] = None,
     heads: Annotated[int | None, typer.Option(help="Denoiser attention heads.")] = None,
     d_ff: Annotated[int | None, typer.Option(help="Denoiser feed-forward width.")] = None,
+    residual: Annotated[bool, typer.Option(help="Add the head's output to e_n (--no-residual: the paper's "
+                                                "output at position 0 alone).")] = True,
     eval_every: Annotated[int, typer.Option(help="Validate and checkpoint every N steps.")] = 250,
     patience: Annotated[int, typer.Option(help="Early stop after N evaluations without gain.")] = 6,
     seed: Annotated[int, typer.Option()] = 0,
@@ -208,7 +210,7 @@ def snd_train(
                             clip=clip, variant=variant, max_tokens=max_tokens, batch_size=batch_size,
                             learning_rate=learning_rate,
                             max_steps=max_steps, max_minutes=minutes, eval_every=eval_every, patience=patience,
-                            seed=seed, model_overrides={"layout": layout} | {
+                            seed=seed, model_overrides={"layout": layout, "residual": residual} | {
                                 k: v for k, v in (("n_layers", layers), ("n_heads", heads), ("d_ff", d_ff))
                                 if v is not None})
     with console.status("Loading the model and the public corpus..."):

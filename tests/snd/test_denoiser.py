@@ -33,6 +33,22 @@ def test_starts_as_identity_on_e_n():
     torch.testing.assert_close(model(e_n, noisy, noise, mask, eta), e_n)
 
 
+def test_without_residual_the_output_is_position_0_alone():
+    config = DenoiserConfig(dim=32, n_heads=4, d_ff=64, residual=False)
+    model = _trained_like(config)
+    e_n, noisy, noise, mask, eta = _inputs()
+    with torch.no_grad():
+        h = model(e_n, noisy, noise, mask, eta)
+        shifted = model(e_n + 1.0, noisy, noise, mask, eta)
+    assert not torch.allclose(h, e_n, atol=1e-3)
+    # e_n still enters as the first row, but the output is not e_n plus a correction.
+    assert not torch.allclose(shifted - h, torch.ones_like(h), atol=1e-2)
+    with_residual = _trained_like(DenoiserConfig(dim=32, n_heads=4, d_ff=64))
+    with_residual.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(with_residual(e_n, noisy, noise, mask, eta), h + e_n)
+
+
 def test_padding_content_does_not_matter():
     model = _trained_like(DenoiserConfig(dim=32, n_heads=4, d_ff=64))
     e_n, noisy, noise, mask, eta = _inputs()

@@ -12,7 +12,8 @@ Two input layouts:
     slowly (see README, "Denoiser layout").
 Both add segment and position embeddings and, optionally, an embedding of log(eta), so one model
 serves a range of privacy levels. L pre-LN transformer layers with a padding mask; the output is
-read at position 0 and added to e_n (a residual: at weak noise the best answer is close to e_n).
+read at position 0 and added to e_n (a residual: at weak noise the best answer is close to e_n);
+``residual=False`` reads position 0 alone, as the paper does.
 
 Variants (same architecture and training; ``variant``):
   - ``snd``:    [e_n ; X~ ; Z~]            the user-side denoiser of the paper
@@ -46,6 +47,7 @@ class DenoiserConfig:
     variant: str = "snd"
     layout: str = "fused"
     eta_conditioned: bool = True
+    residual: bool = True  # output = e_n + head(h_0); False: head(h_0) alone, as in the paper
     eta_min: float = 10.0
     eta_max: float = 200.0
 
@@ -98,8 +100,9 @@ class Denoiser(nn.Module):
         # and would drown token vectors of norm ~1.
         nn.init.normal_(self.segment.weight, std=0.02)
         nn.init.normal_(self.position.weight, std=0.02)
-        nn.init.zeros_(self.head.weight)  # start as the identity on e_n
-        nn.init.zeros_(self.head.bias)
+        if config.residual:
+            nn.init.zeros_(self.head.weight)  # start as the identity on e_n
+            nn.init.zeros_(self.head.bias)
 
     def eta_features(self, eta: torch.Tensor) -> torch.Tensor:
         """Fourier features of log(eta) rescaled to [0, 1] over the training range."""
@@ -136,4 +139,5 @@ class Denoiser(nn.Module):
                 raise ValueError("this denoiser is eta-conditioned: pass eta")
             h = h + self.eta_embedding(self.eta_features(eta.to(h.dtype))).unsqueeze(1)
         h = self.layers(h, src_key_padding_mask=~torch.cat(valid, dim=1))
-        return e_n + self.head(self.norm(h[:, 0]))
+        out = self.head(self.norm(h[:, 0]))
+        return e_n + out if self.config.residual else out

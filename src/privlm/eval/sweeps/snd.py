@@ -46,10 +46,11 @@ TARGET_RATES = (0.5, 0.1, 0.01, 0.001)
 # Optional ablation denoisers, sub-folders of --denoisers, all trained at one budget (see
 # benchmarks/snd/train_denoisers.sh); snd/ there is SnD at that same budget, for a fair comparison.
 ABLATIONS = {"SnD, ablation budget": "snd", "SnD, no clip": "noclip", "server-side denoiser": "server",
-             "local-only model": "local"}
+             "local-only model": "local", "SnD, no e_n residual": "noresidual"}
 GROUPS = "SnD, one denoiser per eta group"
 # Methods that release clipped X~ through SnDEncoder: they share one noise draw per (eta, task).
-SHARED_CLIPPED_RELEASE = frozenset({"SnD", "SnD, ablation budget", "server-side denoiser", "local-only model", GROUPS})
+SHARED_CLIPPED_RELEASE = frozenset({"SnD", "SnD, ablation budget", "server-side denoiser", "local-only model",
+                                    "SnD, no e_n residual", GROUPS})
 
 
 @dataclass

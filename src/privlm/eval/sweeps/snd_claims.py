@@ -110,6 +110,10 @@ def claims_report(rows: Sequence[dict[str, object]]) -> str:
                       "the server's e_n adds to the user's own tokens", not_better_note=wasted)
     lines += _section("Shipped SnD vs the local-only model", rows, SHIPPED, "local-only model",
                       "the shipped SnD beats the local-only model", not_better_note=wasted)
+    lines += _section("SnD without the e_n residual vs the local-only model", rows, "SnD, no e_n residual",
+                      "local-only model", "SnD without the residual beats the local-only model",
+                      not_better_note=wasted)
+    lines += _section("The e_n residual", rows, SND, "SnD, no e_n residual", "the residual on e_n helps")
     lines += _section("One eta-conditioned denoiser vs one per eta group", rows, SND,
                       "SnD, one denoiser per eta group", "the eta-conditioned denoiser is at least as good",
                       ties_hold=True)
