@@ -6,6 +6,8 @@
 #   local/   e_n zeroed: a local model of the user's own clean tokens
 #   noclip/  SnD trained and used without norm clipping
 #   noresidual/  SnD whose output is the head at position 0 alone (the paper), not e_n + head
+#   query/   SnD read at an extra learned query row, e_n an ordinary input row, no residual:
+#            the local-only model plus e_n, so it can do no worse once trained
 #   groups/  one denoiser per eta group (two etas each), 800/3 steps each: equal total compute
 # Usage: benchmarks/snd/train_denoisers.sh [OUT]   (default runs/denoisers/ablations; ~50 min on 2 idle cores)
 set -euo pipefail
@@ -17,6 +19,7 @@ common=(--model minilm --sources wordnet --max-texts 20000 --eval-every 200 --pa
 "$privlm" snd train --out "$out/local" "${common[@]}" --eta-min 15 --eta-max 150 --max-steps 800 --variant local
 "$privlm" snd train --out "$out/noclip" "${common[@]}" --eta-min 15 --eta-max 150 --max-steps 800 --no-clip
 "$privlm" snd train --out "$out/noresidual" "${common[@]}" --eta-min 15 --eta-max 150 --max-steps 800 --no-residual
+"$privlm" snd train --out "$out/query" "${common[@]}" --eta-min 15 --eta-max 150 --max-steps 800 --no-residual --readout query
 "$privlm" snd train --out "$out/groups/low" "${common[@]}" --etas 15,25 --max-steps 267
 "$privlm" snd train --out "$out/groups/mid" "${common[@]}" --etas 35,55 --max-steps 267
 "$privlm" snd train --out "$out/groups/high" "${common[@]}" --etas 80,130 --max-steps 267

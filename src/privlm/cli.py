@@ -194,6 +194,8 @@ def snd_train(
     d_ff: Annotated[int | None, typer.Option(help="Denoiser feed-forward width.")] = None,
     residual: Annotated[bool, typer.Option(help="Add the head's output to e_n (--no-residual: the paper's "
                                                 "output at position 0 alone).")] = True,
+    readout: Annotated[str, typer.Option(help="e_n (read at e_n's row, the paper) or query (an extra "
+                                              "learned row).")] = "e_n",
     eval_every: Annotated[int, typer.Option(help="Validate and checkpoint every N steps.")] = 250,
     patience: Annotated[int, typer.Option(help="Early stop after N evaluations without gain.")] = 6,
     seed: Annotated[int, typer.Option()] = 0,
@@ -210,7 +212,7 @@ def snd_train(
                             clip=clip, variant=variant, max_tokens=max_tokens, batch_size=batch_size,
                             learning_rate=learning_rate,
                             max_steps=max_steps, max_minutes=minutes, eval_every=eval_every, patience=patience,
-                            seed=seed, model_overrides={"layout": layout, "residual": residual} | {
+                            seed=seed, model_overrides={"layout": layout, "residual": residual, "readout": readout} | {
                                 k: v for k, v in (("n_layers", layers), ("n_heads", heads), ("d_ff", d_ff))
                                 if v is not None})
     with console.status("Loading the model and the public corpus..."):

@@ -49,8 +49,20 @@ def test_without_residual_the_output_is_position_0_alone():
         torch.testing.assert_close(with_residual(e_n, noisy, noise, mask, eta), h + e_n)
 
 
-def test_padding_content_does_not_matter():
-    model = _trained_like(DenoiserConfig(dim=32, n_heads=4, d_ff=64))
+def test_query_readout_reads_an_extra_learned_row():
+    config = DenoiserConfig(dim=32, n_heads=4, d_ff=64, readout="query", residual=False)
+    model = _trained_like(config)
+    e_n, noisy, noise, mask, eta = _inputs()
+    with torch.no_grad():
+        out = model(e_n, noisy, noise, mask, eta)
+        assert out.shape == e_n.shape and not torch.allclose(model(e_n * 3, noisy, noise, mask, eta), out)
+        model.query.add_(torch.randn(32, generator=torch.Generator().manual_seed(1)))  # read there: it moves
+        assert not torch.allclose(model(e_n, noisy, noise, mask, eta), out)
+
+
+@pytest.mark.parametrize("readout", ["e_n", "query"])
+def test_padding_content_does_not_matter(readout):
+    model = _trained_like(DenoiserConfig(dim=32, n_heads=4, d_ff=64, readout=readout))
     e_n, noisy, noise, mask, eta = _inputs()
     out = model(e_n, noisy, noise, mask, eta)
     noisy[1, 3:] += 100.0

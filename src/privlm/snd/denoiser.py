@@ -13,7 +13,8 @@ Two input layouts:
 Both add segment and position embeddings and, optionally, an embedding of log(eta), so one model
 serves a range of privacy levels. L pre-LN transformer layers with a padding mask; the output is
 read at position 0 and added to e_n (a residual: at weak noise the best answer is close to e_n);
-``residual=False`` reads position 0 alone, as the paper does.
+``residual=False`` reads position 0 alone, as the paper does. ``readout="query"`` prepends a
+learned query row and reads the output there, so e_n is an ordinary input row.
 
 Variants (same architecture and training; ``variant``):
   - ``snd``:    [e_n ; X~ ; Z~]            the user-side denoiser of the paper
@@ -33,6 +34,7 @@ from privlm._validation import check_choice, check_positive_finite, check_positi
 
 VARIANTS = ("snd", "server", "local")
 LAYOUTS = ("fused", "sequence")
+READOUTS = ("e_n", "query")
 _ETA_FREQUENCIES = 8
 
 
@@ -48,6 +50,7 @@ class DenoiserConfig:
     layout: str = "fused"
     eta_conditioned: bool = True
     residual: bool = True  # output = e_n + head(h_0); False: head(h_0) alone, as in the paper
+    readout: str = "e_n"  # read at e_n's row (the paper), or at an extra learned query row before it
     eta_min: float = 10.0
     eta_max: float = 200.0
 
@@ -58,6 +61,7 @@ class DenoiserConfig:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
         check_choice("variant", self.variant, VARIANTS)
         check_choice("layout", self.layout, LAYOUTS)
+        check_choice("readout", self.readout, READOUTS)
         check_positive_finite("eta_min", self.eta_min)
         check_positive_finite("eta_max", self.eta_max)
         if self.eta_min > self.eta_max:
@@ -90,6 +94,8 @@ class Denoiser(nn.Module):
                 eye = torch.eye(d)
                 self.token_in.weight.copy_(torch.cat([eye, -eye], dim=1) if sees_noise else eye)
                 self.token_in.bias.zero_()
+        if config.readout == "query":
+            self.query = nn.Parameter(torch.randn(d) * 0.02)
         self.eta_embedding = nn.Sequential(nn.Linear(2 * _ETA_FREQUENCIES, d), nn.GELU(), nn.Linear(d, d))
         layer = nn.TransformerEncoderLayer(d, config.n_heads, config.d_ff, config.dropout, activation="gelu",
                                            batch_first=True, norm_first=True)
@@ -133,6 +139,9 @@ class Denoiser(nn.Module):
             if sees_noise:
                 parts.append(noise + positions + segments[2])
                 valid.append(attention_mask.bool())
+        if self.config.readout == "query":  # e_n becomes one input row among others; it can be ignored
+            parts.insert(0, self.query.expand(batch, 1, -1))
+            valid.insert(0, valid[0])
         h = torch.cat(parts, dim=1)
         if self.config.eta_conditioned:
             if eta is None:

@@ -46,11 +46,12 @@ TARGET_RATES = (0.5, 0.1, 0.01, 0.001)
 # Optional ablation denoisers, sub-folders of --denoisers, all trained at one budget (see
 # benchmarks/snd/train_denoisers.sh); snd/ there is SnD at that same budget, for a fair comparison.
 ABLATIONS = {"SnD, ablation budget": "snd", "SnD, no clip": "noclip", "server-side denoiser": "server",
-             "local-only model": "local", "SnD, no e_n residual": "noresidual"}
+             "local-only model": "local", "SnD, no e_n residual": "noresidual",
+             "SnD, query readout": "query"}
 GROUPS = "SnD, one denoiser per eta group"
 # Methods that release clipped X~ through SnDEncoder: they share one noise draw per (eta, task).
 SHARED_CLIPPED_RELEASE = frozenset({"SnD", "SnD, ablation budget", "server-side denoiser", "local-only model",
-                                    "SnD, no e_n residual", GROUPS})
+                                    "SnD, no e_n residual", "SnD, query readout", GROUPS})
 
 
 @dataclass

@@ -114,6 +114,9 @@ def claims_report(rows: Sequence[dict[str, object]]) -> str:
                       "local-only model", "SnD without the residual beats the local-only model",
                       not_better_note=wasted)
     lines += _section("The e_n residual", rows, SND, "SnD, no e_n residual", "the residual on e_n helps")
+    lines += _section("SnD with a query readout vs the local-only model", rows, "SnD, query readout",
+                      "local-only model", "SnD with e_n as an ordinary input row beats the local-only model",
+                      not_better_note=wasted)
     lines += _section("One eta-conditioned denoiser vs one per eta group", rows, SND,
                       "SnD, one denoiser per eta group", "the eta-conditioned denoiser is at least as good",
                       ties_hold=True)
