@@ -6,7 +6,8 @@ from privlm.eval.sweeps.snd_claims import claims_report, compare, mean_relative_
 
 
 def _row(method: str, eta: float, auc: float, cosine: float = 0.5, task: str = "t") -> dict[str, object]:
-    return {"task": task, "method": method, "eta": eta, "auc": auc, "cosine_to_clean": cosine}
+    return {"task": task, "method": method, "eta": eta, "auc": auc, "cosine_to_clean": cosine,
+            "attack_success": 1.0 if math.isinf(eta) else eta / 100}
 
 
 ROWS = [
@@ -34,3 +35,10 @@ def test_report_states_each_claim_and_where_the_server_is_wasted():
     assert "no better than the local-only model) on: t at eta 20." in report
     assert "**the user-side denoiser beats the server-side one: does not hold** (1 better, 0 ties, 1 worse" in report
     assert "Not measured: `SnD, ablation budget` or `SnD, no clip` is missing" in report
+
+
+def test_report_opens_with_method_by_eta_tables():
+    report = claims_report(ROWS)
+    assert "| method | eta 20 | eta 50 | non-private |" in report
+    assert "| SnD | 0.660 | 0.880 | 0.900 |" in report  # AUC
+    assert "| TokEmbPriv | 0.200 | 0.500 | 1.000 |" in report  # inversion
