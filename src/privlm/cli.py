@@ -108,7 +108,8 @@ def bench_snd(
     etas: Annotated[str, typer.Option(help="Comma-separated etas; empty: calibrate to inversion rates "
                                            "50%, 10%, 1%, 0.1%.")] = "",
     tasks: Annotated[str, typer.Option(help="Comma-separated task names.")] = "tweets-binary,fortunes",
-    methods: Annotated[str, typer.Option(help="Comma-separated subset of methods; empty: all available.")] = "",
+    methods: Annotated[str, typer.Option(help="Comma-separated subset of methods (names with commas, such as "
+                                              "'SnD, no clip', are matched whole); empty: all available.")] = "",
     model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
     n_train: Annotated[int, typer.Option()] = 2000,
     n_validation: Annotated[int, typer.Option()] = 500,
@@ -137,7 +138,7 @@ def bench_snd(
                          n_train=n_train, n_validation=n_validation, n_test=n_test,
                          attack_sentences=attack_sentences, probe=probe, seed=seed, device=device,
                          denoisers=denoisers, etas=tuple(_parse_levels(etas)) if etas else (),
-                         methods=tuple(m.strip() for m in methods.split(",") if m.strip()))
+                         methods=tuple(methods.split(",")) if methods.strip() else ())
     with console.status("Loading, encoding the clean splits and calibrating eta..."):
         sweep = snd_sweep(setting)
     console.print(f"Levels: {sweep.levels}; methods: {list(sweep.methods)}")

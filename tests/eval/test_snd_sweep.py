@@ -1,5 +1,6 @@
 import math
 
+import pytest
 from rich.console import Console
 
 from privlm.eval.bench import run_sweep
@@ -34,3 +35,13 @@ def test_snd_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
     for row in report.rows:
         assert 0.0 <= row["auc"] <= 1.0 and "attribute_inference" in row
     assert (tmp_path / "out" / "privacy_utility_tweets-binary.png").exists()
+
+
+def test_method_names_with_commas_are_rebuilt_from_the_comma_separated_option():
+    from privlm.eval.sweeps.snd import resolve_method_names
+
+    available = ["SnD", "TokEmbPriv", "SnD, no clip", "SnD, ablation budget", "local-only model"]
+    parts = ["TokEmbPriv", " SnD", " no clip", "SnD", "local-only model"]
+    assert resolve_method_names(parts, available) == ["TokEmbPriv", "SnD, no clip", "SnD", "local-only model"]
+    with pytest.raises(ValueError, match="'nope' is not available"):
+        resolve_method_names(["SnD", "nope"], available)

@@ -54,6 +54,20 @@ SHARED_CLIPPED_RELEASE = frozenset({"SnD", "SnD, ablation budget", "server-side 
                                     "SnD, no e_n residual", "SnD, query readout", GROUPS})
 
 
+def resolve_method_names(parts: Sequence[str], available: Sequence[str]) -> list[str]:
+    """Comma-split pieces back into method names, longest match first ("SnD, no clip" is one name)."""
+    pieces, names, i = [p.strip() for p in parts if p.strip()], [], 0
+    while i < len(pieces):
+        for j in range(len(pieces), i, -1):
+            if ", ".join(pieces[i:j]) in available:
+                names.append(", ".join(pieces[i:j]))
+                i = j
+                break
+        else:
+            raise ValueError(f"method {pieces[i]!r} is not available; available: {sorted(available)}")
+    return names
+
+
 @dataclass
 class SnDSetting:
     model: str = "minilm"
@@ -115,10 +129,7 @@ class SnDSweep:
                                                             denoiser=self._group_for(groups, eta),
                                                             server=self._memoised_server)
         if self.setting.methods:
-            unknown = set(self.setting.methods) - set(methods)
-            if unknown:
-                raise ValueError(f"methods {sorted(unknown)} are not available; available: {sorted(methods)}")
-            methods = {m: methods[m] for m in self.setting.methods}
+            methods = {m: methods[m] for m in resolve_method_names(self.setting.methods, list(methods))}
         return methods
 
     def _with_denoiser(self, folder: Path | str) -> Callable[[float, torch.Generator], SnDEncoder]:
