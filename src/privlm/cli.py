@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -61,12 +60,12 @@ def _parse_levels(text: str) -> list[float]:
 @bench_app.command("report")
 def bench_report(directory: Annotated[Path, typer.Argument(help="A folder holding results.json.")]) -> None:
     """Re-render results.md and the plots of a finished sweep from its results.json."""
-    from privlm.eval.bench import render_report
+    from privlm.eval.bench import load_results, render_report
 
     if not (directory / "results.json").exists():
         raise typer.BadParameter(f"{directory} has no results.json")
     files = render_report(directory)
-    if json.loads((directory / "results.json").read_text())["metadata"]["sweep"] == "snd":
+    if load_results(directory)[0]["sweep"] == "snd":
         from privlm.eval.sweeps.snd_claims import write_claims
 
         files.append(write_claims(directory))

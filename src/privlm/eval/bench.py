@@ -113,11 +113,15 @@ def _from_json(value: object) -> object:
     return float(value) if value in ("inf", "-inf", "nan") else value
 
 
+def load_results(out_dir: Path) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """(metadata, rows) of ``out_dir/results.json``, with "inf"/"nan" back as floats."""
+    payload = json.loads((out_dir / "results.json").read_text())
+    return payload["metadata"], [{k: _from_json(v) for k, v in row.items()} for row in payload["rows"]]
+
+
 def render_report(out_dir: Path) -> list[Path]:
     """(Re)write ``results.md`` and the plots from ``results.json`` alone."""
-    payload = json.loads((out_dir / "results.json").read_text())
-    meta = payload["metadata"]
-    rows = [{k: _from_json(v) for k, v in row.items()} for row in payload["rows"]]
+    meta, rows = load_results(out_dir)
     level_name = meta["level_name"]
     files = [out_dir / "results.md"]
     files[0].write_text(markdown_report(meta, rows))

@@ -60,25 +60,35 @@ class Retrying:
     def __init__(self, *, retries: int, backoff: float, max_backoff: float = 8.0) -> None:
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.failed_attempts = 0  # connection errors and busy answers seen so far (all retried or raised)
+        self.last_failure: Exception | None = None
 
     def delay(self, attempt: int) -> float:
         return min(self.max_backoff, self.backoff * 2**attempt)
 
+    def settle(self, outcome: httpx.Response | httpx.TransportError) -> httpx.Response | None:
+        """The final response, or None after recording a failure worth retrying."""
+        if isinstance(outcome, httpx.Response) and (response := final_response(outcome)) is not None:
+            return response
+        self.last_failure = outcome if isinstance(outcome, Exception) else ServerError("server busy (429/502/503/504)")
+        self.failed_attempts += 1
+        return None
+
+    def exhausted(self) -> ServerError:
+        error = ServerError(f"no answer after {self.retries + 1} attempts: {self.last_failure}")
+        error.__cause__ = self.last_failure
+        return error
+
     def call(self, send: Callable[[], httpx.Response]) -> httpx.Response:
-        last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                response = final_response(send())
+                outcome: httpx.Response | httpx.TransportError = send()
             except httpx.TransportError as error:
-                last = error
-            else:
-                if response is not None:
-                    return response
-                last = ServerError("server busy (429/502/503/504)")
-            self.failed_attempts += 1
+                outcome = error
+            if (response := self.settle(outcome)) is not None:
+                return response
             if attempt < self.retries:
                 time.sleep(self.delay(attempt))
-        raise ServerError(f"no answer after {self.retries + 1} attempts: {last}") from last
+        raise self.exhausted()
 
 
 def download_bundle(manifest: dict, fetch: Callable[[str], bytes], cache: Path) -> Path:
@@ -180,20 +190,18 @@ class AsyncClient:
         return self.local.last_report
 
     async def _post(self, body: bytes, headers: dict[str, str]) -> httpx.Response:
-        retrying, last = self.local.retrying, None
+        retrying = self.local.retrying
         for attempt in range(retrying.retries + 1):
             try:
-                response = final_response(await self.http.post("/v1/snd/encode", content=body, headers=headers))
+                outcome: httpx.Response | httpx.TransportError = await self.http.post(
+                    "/v1/snd/encode", content=body, headers=headers)
             except httpx.TransportError as error:
-                last = error
-            else:
-                if response is not None:
-                    return response
-                last = ServerError("server busy (429/502/503/504)")
-            retrying.failed_attempts += 1
+                outcome = error
+            if (response := retrying.settle(outcome)) is not None:
+                return response
             if attempt < retrying.retries:
                 await asyncio.sleep(retrying.delay(attempt))
-        raise ServerError(f"no answer after {retrying.retries + 1} attempts: {last}") from last
+        raise retrying.exhausted()
 
     async def _encode_batch(self, texts: list[str]) -> np.ndarray:
         local = self.local

@@ -7,11 +7,12 @@ cosine to the clean embedding. A difference smaller than ``TIE`` in AUC counts a
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from privlm.eval.bench import load_results
 
 TIE = 0.01
 SND = "SnD, ablation budget"  # every ablation is trained at this budget; the shipped SnD is larger
@@ -146,8 +147,6 @@ def claims_report(rows: Sequence[dict[str, object]]) -> str:
 
 
 def write_claims(out_dir: Path) -> Path:
-    rows = [{k: float(v) if v in ("inf", "nan") else v for k, v in row.items()}
-            for row in json.loads((out_dir / "results.json").read_text())["rows"]]
     path = out_dir / "claims.md"
-    path.write_text(claims_report(rows))
+    path.write_text(claims_report(load_results(out_dir)[1]))
     return path
