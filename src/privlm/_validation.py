@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import TypeVar
 
 import torch
+
+Choice = TypeVar("Choice", bound=str)
 
 
 def check_positive_finite(name: str, value: object) -> float:
@@ -37,10 +40,11 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+def check_choice(name: str, value: object, choices: tuple[Choice, ...]) -> Choice:
+    """Return ``value`` if it is one of ``choices``, else raise ``ValueError`` naming them."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value  # narrowed to Choice by the membership test
 
 
 def check_float_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int = 1) -> torch.Tensor:
@@ -57,4 +61,16 @@ def check_float_tensor(name: str, value: object, *, ndim: int | None = None, min
         raise ValueError(f"{name} must not be empty, got shape {tuple(value.shape)}")
     if not torch.isfinite(value).all():
         raise ValueError(f"{name} contains NaN or inf")
+    return value
+
+
+def check_level(name: str, value: object) -> float | torch.Tensor:
+    """A privacy level: a finite number > 0, or a non-empty floating tensor of them (one per row)."""
+    if not isinstance(value, torch.Tensor):
+        return check_positive_finite(name, value)
+    if not value.is_floating_point() or value.numel() == 0:
+        raise ValueError(f"{name} must be a number or a non-empty floating-point tensor, got "
+                         f"{value.dtype} of shape {tuple(value.shape)}")
+    if not torch.isfinite(value).all() or (value <= 0).any():
+        raise ValueError(f"{name} must be finite and > 0 in every row")
     return value

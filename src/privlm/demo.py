@@ -7,7 +7,8 @@
    bucketized variant, over the whole vocabulary.
 4. Split-N-Denoise in-process: private sentence embeddings, with and without the shipped denoiser.
 5. Split-N-Denoise as a service: ``privlm serve`` and ``privlm gateway`` on localhost, the client
-   SDK, and one request through the gateway with the ``openai`` client.
+   SDK, and one OpenAI-format request through the gateway (plain httpx: the demo needs nothing from
+   the dev extra; any OpenAI client works the same way).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from privlm.mechanisms import (
     squared_distances,
 )
 from privlm.models import SplitModel
-from privlm.serve.process import free_port, start_privlm, stop
+from privlm.service.process import free_port, start_privlm, stop
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
 PROMPT = "My name is Alice and I live in Boston."
@@ -51,7 +52,7 @@ class InversionRow:
 
 def word_positions(model: SplitModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Mask of the positions that hold text (not [CLS]/[SEP]/padding)."""
-    special = torch.tensor(model.tokenizer.all_special_ids, device=input_ids.device)
+    special = torch.tensor(model.require_tokenizer().all_special_ids, device=input_ids.device)
     return ~torch.isin(input_ids, special)
 
 
@@ -59,7 +60,7 @@ def word_positions(model: SplitModel, input_ids: torch.Tensor) -> torch.Tensor:
 def inversion_at(model: SplitModel, sentence: str, eta: float, generator: torch.Generator) -> InversionRow:
     batch = model.tokenize([sentence])
     clean = model.embed_tokens(batch.input_ids)
-    noisy = DChiLaplace(eta=eta).randomise(clean, generator=generator)
+    noisy = DChiLaplace(eta=eta).sample(clean, generator=generator)
     clipped, _ = clip_with_effective_noise(clean, noisy, max_norm=model.max_embedding_norm)
     guesses = project_to_vocabulary(noisy[0], model.embedding_matrix)
     words = word_positions(model, batch.input_ids[0])
@@ -67,7 +68,7 @@ def inversion_at(model: SplitModel, sentence: str, eta: float, generator: torch.
     cosine = torch.nn.functional.cosine_similarity(
         model.encode(clipped, batch.attention_mask), model.encode(clean, batch.attention_mask)).item()
     return InversionRow(eta=eta, mean_noise_norm=(noisy - clean)[0].norm(dim=-1).mean().item(),
-                        recovered=model.tokenizer.convert_ids_to_tokens(guesses[words].tolist()),
+                        recovered=list(model.require_tokenizer().convert_ids_to_tokens(guesses[words].tolist())),
                         success_rate=success, cosine_to_clean=cosine)
 
 
@@ -81,12 +82,12 @@ def similarity_utility(model: SplitModel, token_ids: torch.Tensor) -> torch.Tens
 def perturb_prompt(model: SplitModel, prompt: str, mechanism: ExponentialMechanism | BucketizedExponentialMechanism,
                    generator: torch.Generator) -> tuple[str, float | None]:
     """Replace every word piece of ``prompt``; returns the new text and the largest realised eps'."""
-    ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = model.content_ids([prompt])[0]
     utility = similarity_utility(model, torch.tensor(ids, device=model.device))
+    text = str(model.require_tokenizer().decode(mechanism.sample(utility, generator=generator).tolist()))
     if isinstance(mechanism, BucketizedExponentialMechanism):
-        draw = mechanism.sample(utility, generator=generator)
-        return model.tokenizer.decode(draw.indices[:, 0].tolist()), draw.eps_prime.max().item()
-    return model.tokenizer.decode(mechanism.sample(utility, generator=generator)[:, 0].tolist()), None
+        return text, mechanism.bucketing(utility).eps_prime.max().item()
+    return text, None
 
 
 def run(console: Console | None = None, *, seed: int | None = None) -> list[InversionRow]:
@@ -138,7 +139,7 @@ def snd_section(console: Console, model: SplitModel, generator: torch.Generator)
 
 
 def service_section(console: Console, model: SplitModel, generator: torch.Generator) -> None:
-    import openai
+    import httpx
 
     from privlm.snd import Client
 
@@ -170,12 +171,14 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
         with console.status("Starting privlm gateway..."):
             processes.append(start_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", "--port",
                                      str(gateway_port)], f"{gateway_url}/health"))
-        response = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="local").embeddings.create(
-            model="privlm-snd-minilm", input=[SND_SENTENCES[0]])
-        vector = torch.tensor(response.data[0].embedding)
-        console.print(f"openai client -> gateway -> private round trip: {len(vector)}-d embedding, "
+        response = httpx.post(f"{gateway_url}/v1/embeddings", timeout=60,
+                              json={"model": "privlm-snd-minilm", "input": [SND_SENTENCES[0]]})
+        response.raise_for_status()
+        answer = response.json()
+        vector = torch.tensor(answer["data"][0]["embedding"])
+        console.print(f"OpenAI-format request -> gateway -> private round trip: {len(vector)}-d embedding, "
                       f"cos to the non-private one {float(vector @ clean[0]):.3f}, "
-                      f"{response.usage.prompt_tokens} tokens")
+                      f"{answer['usage']['prompt_tokens']} tokens, eta {response.headers['x-privlm-eta']} per token")
     finally:
         stop(*processes)
         console.print("Server and gateway stopped.")

@@ -11,7 +11,6 @@ from privlm.attacks.audit import (
     audit_samples,
     clopper_pearson_lower,
     clopper_pearson_upper,
-    dchi_sampler,
 )
 from privlm.mechanisms import (
     BucketizedExponentialMechanism,
@@ -102,7 +101,7 @@ def test_audit_refutes_capes_paper_bound_and_respects_the_sound_one():
     u_prime = torch.zeros(vocab, dtype=torch.float64)
     u_prime[1:50] = torch.arange(1, 50, dtype=torch.float64) / 49
     mechanism = BucketizedExponentialMechanism(epsilon=eps, n_buckets=n_buckets)
-    (_, buckets), (_, buckets_prime) = mechanism.log_probabilities(u), mechanism.log_probabilities(u_prime)
+    buckets, buckets_prime = mechanism.bucketing(u), mechanism.bucketing(u_prime)
     paper = eps + math.log(max(buckets.largest, buckets_prime.largest).item()
                            / min(buckets.smallest, buckets_prime.smallest).item())
     sound = audit_mechanism(mechanism, u, u_prime, n_samples=200_000, alpha=STRICT, generator=make_generator(14))
@@ -143,12 +142,19 @@ def test_dchi_with_half_the_noise_is_caught(d, eta_distance, n_samples, alpha):
     """
     eta = 1.0
     x, x_prime = _pair(d, eta_distance / eta)
-    broken = dchi_sampler(DChiLaplace(eta=2 * eta))
+    broken = _releases_of(DChiLaplace(eta=2 * eta))
     result = audit_mechanism(broken, x, x_prime, kind="continuous", n_samples=n_samples, alpha=alpha,
                              claimed_epsilon=eta_distance, generator=make_generator(16))
     assert result.exceeds_claim and result.eps_lower > 1.05 * eta_distance
     assert result.eps_lower <= 2 * eta_distance
     assert "||y - x'|| - ||y - x||" in result.event
+
+
+def _releases_of(mechanism: DChiLaplace):
+    """A plain sampler callable (no protocol): the auditor must be told its kind."""
+    def sample(x: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+        return mechanism.sample(x, num_samples=n, generator=generator)
+    return sample
 
 
 def test_scalar_laplace_mechanism_via_audit_samples():
@@ -168,7 +174,7 @@ def test_scalar_laplace_mechanism_via_audit_samples():
 
 def test_a_user_statistic_is_used():
     x, x_prime = _pair(4, 1.0)
-    samples = [DChiLaplace(eta=3.0).randomise(p.expand(20_000, 4).clone(), generator=make_generator(19))
+    samples = [DChiLaplace(eta=3.0).sample(p.expand(20_000, 4).clone(), generator=make_generator(19))
                for p in (x, x_prime)]
 
     def first_coordinate(y: np.ndarray) -> np.ndarray:
@@ -267,7 +273,7 @@ def test_bad_options_are_rejected_by_name():
     with pytest.raises(ValueError, match="statistic"):
         audit_samples(ids, ids, kind="discrete", statistic="projection")
     with pytest.raises(ValueError, match="kind"):
-        audit_mechanism(dchi_sampler(DChiLaplace(eta=1.0)), torch.zeros(3), torch.ones(3), n_samples=200)
+        audit_mechanism(_releases_of(DChiLaplace(eta=1.0)), torch.zeros(3), torch.ones(3), n_samples=200)
     with pytest.raises(ValueError, match="x_prime"):
         audit_mechanism(DChiLaplace(eta=1.0), torch.zeros(3), torch.ones(4), n_samples=200)
     with pytest.raises(ValueError, match="neighbours"):

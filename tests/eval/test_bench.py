@@ -5,8 +5,8 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from privlm.eval.bench import Point, Sweep, run_sweep
-from privlm.eval.provenance import git_commit
+from privlm.eval.bench import Method, Point, Sweep, load_results, run_sweep
+from privlm.provenance import git_commit
 
 
 def _toy_sweep() -> Sweep:
@@ -14,9 +14,10 @@ def _toy_sweep() -> Sweep:
         success = 1.0 if math.isinf(point.level) else point.level / (point.level + 50)
         return {"attack_success": success, "auc": 0.5 + 0.4 * success}
 
-    return Sweep(name="toy", description="A toy sweep.", methods=["a", "b"], levels=[10.0, 100.0],
-                 tasks=["t1", "t2"], evaluate=evaluate, references=[Point("clean", math.inf, "t1")],
-                 settings={"n": 3})
+    methods = [Method("a", "Method A"), Method("b", "B, with a comma")]
+    return Sweep(name="toy", description="A toy sweep.", methods=methods,
+                 levels=[10.0, 100.0], tasks=["t1", "t2"], evaluate=evaluate,
+                 references=[Point("non-private", math.inf, "t1")], settings={"n": 3})
 
 
 def test_sweep_writes_json_markdown_and_plots(tmp_path):
@@ -28,9 +29,11 @@ def test_sweep_writes_json_markdown_and_plots(tmp_path):
     assert meta["command"] == "privlm bench toy" and meta["seed"] == 7 and meta["sweep"] == "toy"
     assert meta["git_commit"] == git_commit() and meta["machine"]["cpu_count"] >= 1
     assert payload["rows"][0]["eta"] == "inf"  # JSON-safe
-    assert {row["method"] for row in payload["rows"]} == {"clean", "a", "b"}
+    assert {row["method"] for row in payload["rows"]} == {"non-private", "a", "b"}  # rows hold keys
+    assert meta["methods"] == {"non-private": "non-private", "a": "Method A", "b": "B, with a comma"}
     table = (tmp_path / "results.md").read_text()
     assert "privlm bench toy" in table and "| task | method | eta |" in table
+    assert "| t1 | B, with a comma | 10.0 |" in table  # tables show labels
     for task in ("t1", "t2"):
         image = Image.open(tmp_path / f"privacy_utility_{task}.png")
         assert image.size[0] > 500 and image.size[1] > 300
@@ -59,3 +62,34 @@ def test_a_crashed_sweep_resumes_where_it_stopped(tmp_path):
     assert not (tmp_path / "results.partial.jsonl").exists()
     fresh = run_sweep(_toy_sweep(), out_dir=tmp_path / "fresh", seed=0, console=Console(quiet=True))
     assert [r["auc"] for r in report.rows] == [r["auc"] for r in fresh.rows]
+
+
+def test_results_written_before_method_keys_load_with_keys(tmp_path):
+    run_sweep(_toy_sweep(), out_dir=tmp_path, seed=0, console=Console(quiet=True))
+    payload = json.loads((tmp_path / "results.json").read_text())
+    labels = payload["metadata"].pop("methods")
+    for row in payload["rows"]:
+        row["method"] = labels[row["method"]]  # the old format: labels in the rows
+    (tmp_path / "results.json").write_text(json.dumps(payload))
+    results = load_results(tmp_path, known=[Method("a", "Method A"), Method("b", "B, with a comma")])
+    assert {r["method"] for r in results.rows} == {"non-private", "a", "b"} and results.labels == labels
+
+
+@pytest.mark.parametrize("name", ["snd", "baselines", "snd-weak-privacy"])
+def test_bench_report_reproduces_the_committed_reports(name, tmp_path):
+    """Re-rendering a committed results.json gives back the committed tables, claims and plots, byte for byte."""
+    import shutil
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from privlm.cli import app
+
+    committed = Path(__file__).parents[2] / "benchmarks" / name
+    copy = shutil.copytree(committed, tmp_path / name)
+    for generated in [*copy.glob("*.md"), *copy.glob("*.png")]:
+        generated.unlink()
+    result = CliRunner().invoke(app, ["bench", "report", str(copy)])
+    assert result.exit_code == 0, result.output
+    for original in [*committed.glob("results.md"), *committed.glob("claims.md"), *committed.glob("*.png")]:
+        assert (copy / original.name).read_bytes() == original.read_bytes(), original.name

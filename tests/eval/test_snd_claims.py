@@ -12,19 +12,19 @@ def _row(method: str, eta: float, auc: float, cosine: float = 0.5, task: str = "
 
 ROWS = [
     _row("non-private", math.inf, 0.9),
-    _row("SnD", 20.0, 0.66), _row("SnD", 50.0, 0.88),
-    _row("TokEmbPriv", 20.0, 0.60), _row("TokEmbPriv", 50.0, 0.80),
-    _row("SnD, ablation budget", 20.0, 0.70), _row("SnD, ablation budget", 50.0, 0.80),
-    _row("local-only model", 20.0, 0.705), _row("local-only model", 50.0, 0.70),
-    _row("server-side denoiser", 20.0, 0.75), _row("server-side denoiser", 50.0, 0.70),
+    _row("snd", 20.0, 0.66), _row("snd", 50.0, 0.88),
+    _row("tokembpriv", 20.0, 0.60), _row("tokembpriv", 50.0, 0.80),
+    _row("snd-ablation-budget", 20.0, 0.70), _row("snd-ablation-budget", 50.0, 0.80),
+    _row("local-only", 20.0, 0.705), _row("local-only", 50.0, 0.70),
+    _row("server-side", 20.0, 0.75), _row("server-side", 50.0, 0.70),
 ]
 
 
 def test_comparisons_pair_methods_at_equal_eta_and_skip_the_clean_reference():
-    comparisons = compare(ROWS, "SnD", "TokEmbPriv")
+    comparisons = compare(ROWS, "snd", "tokembpriv")
     assert [(c.eta, c.auc) for c in comparisons] == [(20.0, (0.66, 0.60)), (50.0, (0.88, 0.80))]
     assert mean_relative_auc_gain(comparisons) == pytest.approx((0.06 / 0.60 + 0.08 / 0.80) / 2)
-    assert compare(ROWS, "SnD", "Text2Text") == []
+    assert compare(ROWS, "snd", "text2text") == []
 
 
 def test_report_states_each_claim_and_where_the_server_is_wasted():

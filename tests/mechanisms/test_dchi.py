@@ -74,7 +74,7 @@ def test_privacy_loss_of_density_is_bounded_by_eta_distance(generator):
     eta, d = 2.0, 16
     x = torch.randn(d, generator=generator, dtype=torch.float64)
     x_prime = x + torch.randn(d, generator=generator, dtype=torch.float64)
-    y = DChiLaplace(eta=eta).randomise(x.expand(5000, d).clone(), generator=generator)
+    y = DChiLaplace(eta=eta).sample(x.expand(5000, d).clone(), generator=generator)
     loss = eta * ((y - x_prime).norm(dim=-1) - (y - x).norm(dim=-1))
     bound = eta * (x - x_prime).norm().item()
     assert loss.max().item() <= bound + 1e-9
@@ -92,7 +92,7 @@ def test_seeded_generators_reproduce_and_default_is_fresh():
 
 def test_does_not_touch_the_global_rng():
     state = torch.get_rng_state()
-    DChiLaplace(eta=1.0).randomise(torch.zeros(4, 3))
+    DChiLaplace(eta=1.0).sample(torch.zeros(4, 3))
     assert torch.equal(state, torch.get_rng_state())
 
 
@@ -112,11 +112,61 @@ def test_bad_shapes_and_sampler_are_rejected():
     with pytest.raises(ValueError, match="sampler"):
         sample_dchi_noise((2, 3), eta=1.0, sampler="uniform")
     with pytest.raises(ValueError, match="x"):
-        DChiLaplace(eta=1.0).randomise(torch.tensor([[float("nan"), 0.0]]))
+        DChiLaplace(eta=1.0).sample(torch.tensor([[float("nan"), 0.0]]))
     with pytest.raises(ValueError, match="x"):
-        DChiLaplace(eta=1.0).randomise(torch.ones(2, 3, dtype=torch.long))
+        DChiLaplace(eta=1.0).sample(torch.ones(2, 3, dtype=torch.long))
 
 
 def test_parameters_are_keyword_only():
     with pytest.raises(TypeError):
         DChiLaplace(1.0)  # type: ignore[misc]
+
+
+def test_per_row_eta_gives_each_row_its_own_gamma_law(generator):
+    """eta as a tensor: row i's noise norm follows Gamma(d, 1/eta_i)."""
+    d, etas = 16, torch.tensor([[0.5], [4.0]], dtype=torch.float64)
+    x = torch.zeros(2, N, d, dtype=torch.float64)
+    z = DChiLaplace(eta=etas).sample(x, generator=generator)
+    for row, eta in enumerate(etas.flatten().tolist()):
+        norms = z[row].norm(dim=-1).numpy()
+        assert stats.kstest(norms, "gamma", args=(d, 0, 1 / eta)).pvalue > P_THRESHOLD
+
+
+def test_noise_at_any_eta_is_the_unit_draw_divided_by_eta():
+    """Gamma(d, 1/eta) = Gamma(d, 1) / eta: one seeded generator gives common random numbers across etas."""
+    unit = sample_dchi_noise((6, 5), eta=1.0, generator=make_generator(4))
+    for eta in (0.3, 7.0):
+        assert torch.equal(sample_dchi_noise((6, 5), eta=eta, generator=make_generator(4)), unit / eta)
+    per_row = torch.tensor([2.0, 3.0, 5.0, 7.0, 11.0, 13.0])
+    assert torch.equal(sample_dchi_noise((6, 5), eta=per_row, generator=make_generator(4)),
+                       unit / per_row.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1.0, 0.0]), torch.tensor([1.0, float("nan")]), torch.tensor([1, 2]),
+                                 torch.tensor([])])
+def test_bad_per_row_eta_is_rejected(bad):
+    with pytest.raises(ValueError, match="eta"):
+        DChiLaplace(eta=bad)
+
+
+def test_per_row_eta_must_broadcast_to_the_rows():
+    with pytest.raises(ValueError, match="broadcast"):
+        DChiLaplace(eta=torch.tensor([1.0, 2.0, 3.0])).sample(torch.zeros(2, 4))
+
+
+def test_privacy_bound_and_spend_compose_over_rows():
+    x = torch.zeros(3, 4)
+    x_prime = torch.zeros(3, 4)
+    x_prime[:, 0] = torch.tensor([1.0, 2.0, 0.0])
+    assert DChiLaplace(eta=2.0).privacy_bound(x, x_prime) == pytest.approx(2.0 * (1 + 2 + 0))
+    per_row = DChiLaplace(eta=torch.tensor([1.0, 10.0, 100.0]))
+    assert per_row.privacy_bound(x, x_prime) == pytest.approx(1 * 1 + 10 * 2)
+    assert per_row.spend(x).unit == "eta-token" and per_row.spend(x).amount == pytest.approx(111.0)
+    assert DChiLaplace(eta=2.5).spend(torch.zeros(2, 7, 4)).amount == pytest.approx(2.5 * 14)
+
+
+def test_num_samples_stacks_independent_releases_first(generator):
+    x = torch.randn(3, 4, generator=generator)
+    y = DChiLaplace(eta=1.0).sample(x, num_samples=5, generator=generator)
+    assert y.shape == (5, 3, 4)
+    assert not torch.equal(y[0], y[1])

@@ -31,9 +31,11 @@ def test_batched_rows_are_sampled_independently(generator):
     utility = torch.tensor([[0.0, 0.0, 50.0], [50.0, 0.0, 0.0]])
     draws = ExponentialMechanism(epsilon=10.0, sensitivity=50.0).sample(utility, num_samples=4000,
                                                                          generator=generator)
-    assert draws.shape == (2, 4000)
-    assert (draws[0] == 2).float().mean() > 0.9
-    assert (draws[1] == 0).float().mean() > 0.9
+    assert draws.shape == (4000, 2)  # the sample axis comes first, as in torch.distributions
+    assert (draws[:, 0] == 2).float().mean() > 0.9
+    assert (draws[:, 1] == 0).float().mean() > 0.9
+    one = ExponentialMechanism(epsilon=10.0, sensitivity=50.0).sample(utility, generator=generator)
+    assert one.shape == (2,)  # one release per row
 
 
 @pytest.mark.parametrize("eps", [0.1, 1.0, 8.0])

@@ -11,12 +11,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_card_describes_how_it_was_made(minilm):
-    card = read_card(default_denoiser_dir("minilm"))
-    assert card["base_model"]["fingerprint"] == minilm.fingerprint
-    assert card["provenance"]["command"].startswith("privlm snd train")
-    assert card["training"]["wall_seconds"] < 45 * 60
-    assert card["training_data"]["sources"] == ["wordnet"]  # evaluation tasks (tweets, fortunes) unseen
-    assert {"mse", "cosine"} <= set(card["validation"])
+    card = read_card(default_denoiser_dir("minilm"))  # a version-1 card: still loads
+    assert card.base_model.fingerprint == minilm.fingerprint
+    assert card.provenance["command"].startswith("privlm snd train")
+    assert card.training.wall_seconds < 45 * 60
+    assert card.training_data.sources == ["wordnet"]  # evaluation tasks (tweets, fortunes) unseen
+    assert card.eta_range == (15.0, 150.0) and card.validation.cosine > card.validation.noisy_cosine
     assert (default_denoiser_dir("minilm") / "denoiser.safetensors").stat().st_size < 25 * 2**20
 
 

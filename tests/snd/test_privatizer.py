@@ -5,7 +5,6 @@ from scipy import stats
 
 from privlm.mechanisms import make_generator
 from privlm.snd import SnDPrivatizer
-from privlm.snd.training import privatize_rows
 from tests.conftest import BAD_POSITIVE_REALS, P_THRESHOLD
 from tests.snd.conftest import TEXTS
 
@@ -29,7 +28,8 @@ def test_per_sentence_etas_in_training_follow_gamma(tiny):
     batch = tiny.tokenize(TEXTS * 200)
     clean = tiny.embed_tokens(batch.input_ids).detach()
     eta = torch.tensor([2.0, 8.0] * 500)
-    _, noise = privatize_rows(tiny, clean, batch.attention_mask, eta, clip=False, generator=make_generator(2))
+    privatizer = SnDPrivatizer(tiny, eta=eta, clip=False)  # one eta per sentence, as training uses it
+    _, noise = privatizer.privatize_embeddings(clean, batch.attention_mask, generator=make_generator(2))
     for value in (2.0, 8.0):
         rows = (eta == value).unsqueeze(-1) & batch.attention_mask.bool()
         norms = noise[rows].norm(dim=-1).double().numpy()
@@ -41,3 +41,16 @@ def test_per_sentence_etas_in_training_follow_gamma(tiny):
 def test_bad_eta_is_rejected(tiny, eta):
     with pytest.raises(ValueError, match="eta"):
         SnDPrivatizer(tiny, eta=eta)
+
+
+def test_spend_is_eta_per_released_token_row(tiny):
+    assert SnDPrivatizer(tiny, eta=2.5).spend([3, 5]).amount == pytest.approx(2.5 * 8)
+    assert SnDPrivatizer(tiny, eta=torch.tensor([1.0, 10.0])).spend([3, 5]).amount == pytest.approx(53.0)
+
+
+def test_calls_without_a_generator_draw_fresh_noise(tiny):
+    privatizer = SnDPrivatizer(tiny, eta=1.0)
+    first, second = privatizer.privatize(TEXTS[:2]), privatizer.privatize(TEXTS[:2])
+    assert not torch.equal(first.noise, second.noise)
+    seeded = [SnDPrivatizer(tiny, eta=1.0).privatize(TEXTS[:2], generator=make_generator(9)) for _ in range(2)]
+    assert torch.equal(seeded[0].noise, seeded[1].noise)

@@ -31,14 +31,15 @@ def trained(tiny, corpus, tmp_path_factory):
 def test_training_writes_weights_and_a_complete_card(trained, tiny):
     out, card = trained
     assert (out / "denoiser.safetensors").exists()
-    card = read_card(out)
-    assert card["base_model"]["fingerprint"] == tiny.fingerprint
-    assert card["eta_range"] == [2.0, 20.0]
-    assert card["training_data"]["sources"] == ["toy"] and card["training_data"]["n_validation"] == 40
-    assert card["training"]["steps"] == 6 and card["training"]["wall_seconds"] > 0
-    assert {"mse", "cosine", "noisy_mse", "noisy_cosine"} <= set(card["validation"])
-    assert card["provenance"]["command"] and card["provenance"]["git_commit"]
-    assert [h["step"] for h in card["history"]] == [3, 6]
+    assert read_card(out) == card  # the card written is the card read back
+    assert json.loads((out / "denoiser.json").read_text())["format"] == "privlm-denoiser/2"
+    assert card.base_model.fingerprint == tiny.fingerprint
+    assert card.eta_range == (2.0, 20.0)
+    assert card.training_data.sources == ["toy"] and card.training_data.n_validation == 40
+    assert card.training.steps == 6 and card.training.wall_seconds > 0
+    assert 0 < card.validation.cosine <= 1 and card.validation.noisy_mse > 0
+    assert card.provenance["command"] and card.provenance["git_commit"]
+    assert [h["step"] for h in card.history] == [3, 6]
     assert "pickle" not in (out / "denoiser.safetensors").read_bytes()[:200].decode(errors="replace")
 
 
@@ -50,25 +51,26 @@ def test_resume_continues_from_the_checkpoint(tiny, corpus, tmp_path):
                         console=QUIET).train(resume=True)
     card = DenoiserTrainer(tiny, corpus, config=_config(max_steps=6), out_dir=tmp_path,  # more budget, same run
                            console=QUIET).train(resume=True)
-    assert card["training"]["steps"] == 6
-    assert [h["step"] for h in card["history"]] == [3, 6]
+    assert card.training.steps == 6
+    assert [h["step"] for h in card.history] == [3, 6]
 
 
 def test_training_lowers_the_validation_loss(tiny, corpus, tmp_path):
     card = DenoiserTrainer(tiny, corpus, config=_config(max_steps=40, eval_every=20, eta_min=20.0, eta_max=50.0),
                            out_dir=tmp_path, console=QUIET).train()
-    first, last = card["history"][0], card["history"][-1]
-    assert last["loss"] < first["loss"] or last["cosine"] > card["validation"]["noisy_cosine"]
-    assert card["validation"]["cosine"] > card["validation"]["noisy_cosine"]
+    first, last = card.history[0], card.history[-1]
+    assert last["loss"] < first["loss"] or last["cosine"] > card.validation.noisy_cosine
+    assert card.validation.cosine > card.validation.noisy_cosine
 
 
 def test_encoder_is_a_drop_in_and_reports(trained, tiny):
     out, _ = trained
     encoder = SnDEncoder(tiny, eta=5.0, denoiser=out, generator=make_generator(0))
-    embeddings = encoder.encode(TEXTS, batch_size=2)
-    assert embeddings.shape == (len(TEXTS), 32) and embeddings.dtype == np.float32
-    assert encoder.last_report.texts == len(TEXTS) and encoder.last_report.truncated == 0
-    assert encoder.last_report.server_calls == 3
+    encoded = encoder.encode_with_report(TEXTS, batch_size=2)
+    assert encoded.vectors.shape == (len(TEXTS), 32) and encoded.vectors.dtype == np.float32
+    assert encoded.report.texts == len(TEXTS) and encoded.report.truncated == 0
+    assert encoded.report.server_calls == 3 and encoded.report.receipt is None  # no ledger, nothing recorded
+    assert encoded.report.tokens == sum(tiny.token_counts(TEXTS))
 
 
 def test_encoder_order_matches_single_calls(tiny):
@@ -115,9 +117,9 @@ def test_over_long_texts_warn_with_a_count_or_raise(trained, tiny):
     long_text = " ".join(["cat"] * 200)
     encoder = SnDEncoder(tiny, eta=5.0, denoiser=out)
     with pytest.warns(UserWarning, match=r"1 of 2 texts are longer than max_length=64 tokens \(indices \[1\]\)"):
-        embeddings = encoder.encode(["a dog", long_text])
-    assert embeddings.shape[0] == 2 and encoder.last_report.truncated == 1
-    assert encoder.last_report.truncated_indices == [1]
+        encoded = encoder.encode_with_report(["a dog", long_text])
+    assert encoded.vectors.shape[0] == 2 and encoded.report.truncated == 1
+    assert encoded.report.truncated_indices == [1]
     strict = SnDEncoder(tiny, eta=5.0, denoiser=out, truncation="error")
     with pytest.raises(ValueError, match="longer than max_length"):
         strict.encode(["a dog", long_text])
@@ -127,5 +129,4 @@ def test_local_only_variant_never_calls_the_server(tiny, corpus, tmp_path):
     DenoiserTrainer(tiny, corpus, config=_config(variant="local", max_steps=3), out_dir=tmp_path,
                     console=QUIET).train()
     encoder = SnDEncoder(tiny, eta=5.0, denoiser=tmp_path)
-    encoder.encode(TEXTS)
-    assert encoder.variant == "local" and encoder.last_report.server_calls == 0
+    assert encoder.variant == "local" and encoder.encode_with_report(TEXTS).report.server_calls == 0

@@ -7,8 +7,6 @@ from privlm.attacks.audit import (
     audit_samples,
     clopper_pearson_lower,
     clopper_pearson_upper,
-    dchi_sampler,
-    exponential_sampler,
 )
 from privlm.attacks.inversion import knn_attack, nearest_neighbour_inversion, token_id_inversion, undo_clip_scale
 from privlm.attacks.masked_token import masked_token_inference
@@ -36,9 +34,7 @@ __all__ = [
     "binomial_ci",
     "clopper_pearson_lower",
     "clopper_pearson_upper",
-    "dchi_sampler",
     "effective_mapping_set_size",
-    "exponential_sampler",
     "knn_attack",
     "kozachenko_leonenko_entropy",
     "kth_neighbour_distances",

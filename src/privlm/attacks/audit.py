@@ -37,19 +37,11 @@ from rich.progress import Progress
 from scipy import stats
 
 from privlm._validation import check_non_negative_finite, check_positive_int
-from privlm.mechanisms import (
-    BucketizedExponentialMechanism,
-    DChiLaplace,
-    ExponentialMechanism,
-    bucketized_pair_bound,
-    exact_privacy_loss,
-    make_generator,
-)
+from privlm.mechanisms import DiscreteMechanism, Mechanism, exact_privacy_loss, make_generator
 
 Kind = Literal["continuous", "discrete"]
 Statistic = Callable[[np.ndarray], np.ndarray]
 Sampler = Callable[[torch.Tensor, int, torch.Generator], torch.Tensor | np.ndarray]
-Mechanism = DChiLaplace | ExponentialMechanism | BucketizedExponentialMechanism
 
 MIN_SAMPLES = 100  # per input; each half must hold enough draws for a meaningful bound
 _N_THRESHOLDS = 400  # candidate thresholds per tail of the pooled first-half statistic
@@ -92,7 +84,7 @@ def clopper_pearson_upper(count: np.ndarray | int, n: int, level: float) -> np.n
 
 
 def _check_alpha(alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, Real) or not 0 < alpha < 1:
+    if isinstance(alpha, bool) or not isinstance(alpha, Real) or not 0 < float(alpha) < 1:
         raise ValueError(f"alpha must be a number in (0, 1), got {alpha!r}")
     return float(alpha)
 
@@ -164,7 +156,7 @@ def _choose_threshold(s_x: np.ndarray, s_xp: np.ndarray, level: float) -> tuple[
     sorted_x, sorted_xp = np.sort(s_x), np.sort(s_xp)
     best = (-math.inf, 0.0, True, True)
     for upper in (True, False):
-        side = "left" if upper else "right"
+        side: Literal["left", "right"] = "left" if upper else "right"
         below_x, below_xp = np.searchsorted(sorted_x, thresholds, side), np.searchsorted(sorted_xp, thresholds, side)
         c_x, c_xp = (n - below_x, n - below_xp) if upper else (below_x, below_xp)
         for x_favoured, (a, b) in ((True, (c_x, c_xp)), (False, (c_xp, c_x))):
@@ -254,37 +246,11 @@ def audit_samples(
         exceeds_claim=claimed_epsilon is not None and eps_lower > claimed_epsilon)
 
 
-def dchi_sampler(mechanism: DChiLaplace) -> Sampler:
-    """Sampler for the d_chi mechanism: input a vector (d,), output (n, d) noisy copies."""
+def _through_protocol(mechanism: Mechanism) -> Sampler:
+    """n independent releases of one input, drawn by the mechanism's own ``sample``."""
     def sample(x: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
-        return mechanism.randomise(x.reshape(1, -1).expand(n, -1).clone(), generator=generator)
+        return mechanism.sample(x, num_samples=n, generator=generator)
     return sample
-
-
-def exponential_sampler(mechanism: ExponentialMechanism | BucketizedExponentialMechanism) -> Sampler:
-    """Sampler for the (bucketized) exponential mechanism: input a utility row (|V|,), output n ids."""
-    def sample(utility: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
-        draw = mechanism.sample(utility.reshape(-1), num_samples=n, generator=generator)
-        return draw if isinstance(draw, torch.Tensor) else draw.indices
-    return sample
-
-
-def _known_mechanism(mechanism: Mechanism, x: torch.Tensor, x_prime: torch.Tensor, *, check_neighbours: bool
-                     ) -> tuple[Sampler, Kind, float, float | None]:
-    """Sampler, kind, claimed epsilon for the pair and exact epsilon (discrete) of a privlm mechanism."""
-    if isinstance(mechanism, DChiLaplace):
-        distance = (x.to(torch.float64) - x_prime.to(torch.float64)).norm().item()
-        return dchi_sampler(mechanism), "continuous", mechanism.eta * distance, None
-    gap = (x.to(torch.float64) - x_prime.to(torch.float64)).abs().max().item()
-    if isinstance(mechanism, ExponentialMechanism):
-        if check_neighbours and gap > mechanism.sensitivity * (1 + 1e-9):
-            raise ValueError(f"x and x_prime are not neighbours: max |u - u'| = {gap:.6g} > "
-                             f"sensitivity = {mechanism.sensitivity:.6g}")
-        exact = exact_privacy_loss(mechanism.log_probabilities(x), mechanism.log_probabilities(x_prime)).item()
-        return exponential_sampler(mechanism), "discrete", mechanism.epsilon, exact
-    (log_p, buckets), (log_q, buckets_prime) = mechanism.log_probabilities(x), mechanism.log_probabilities(x_prime)
-    claimed = bucketized_pair_bound(buckets, buckets_prime, epsilon=mechanism.epsilon).item()
-    return exponential_sampler(mechanism), "discrete", claimed, exact_privacy_loss(log_p, log_q).item()
 
 
 def audit_mechanism(
@@ -321,10 +287,12 @@ def audit_mechanism(
     if x.shape != x_prime.shape:
         raise ValueError(f"x and x_prime must have the same shape, got {tuple(x.shape)} and {tuple(x_prime.shape)}")
     exact = None
-    if isinstance(mechanism, DChiLaplace | ExponentialMechanism | BucketizedExponentialMechanism):
-        sampler, kind, claimed, exact = _known_mechanism(mechanism, x, x_prime,
-                                                         check_neighbours=claimed_epsilon is None)
-        claimed_epsilon = claimed if claimed_epsilon is None else claimed_epsilon
+    if isinstance(mechanism, Mechanism):
+        sampler, kind = _through_protocol(mechanism), mechanism.output_kind
+        if claimed_epsilon is None:
+            claimed_epsilon = mechanism.privacy_bound(x, x_prime)
+        if isinstance(mechanism, DiscreteMechanism):
+            exact = exact_privacy_loss(mechanism.log_probabilities(x), mechanism.log_probabilities(x_prime)).item()
     elif callable(mechanism):
         if kind is None:
             raise ValueError("kind must be 'continuous' or 'discrete' for a user-supplied sampler")

@@ -42,7 +42,8 @@ from privlm._validation import check_choice, check_positive_int
 from privlm.attacks.results import AttackResult, score_result
 from privlm.attacks.text_metrics import rouge_l_f1
 
-MTI_METHODS = ("auto", "masked-lm", "causal-lm-stand-in")
+MtiMethod = Literal["auto", "masked-lm", "causal-lm-stand-in"]
+MTI_METHODS: tuple[MtiMethod, ...] = ("auto", "masked-lm", "causal-lm-stand-in")
 ROUGE_UNITS = ("words", "tokens")
 _CAUSAL_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
@@ -78,7 +79,7 @@ def _rows(name: str, value: object, attention_mask: torch.Tensor | None, *, flag
 
 
 def _is_id(token: object) -> bool:
-    return isinstance(token, Integral) and not isinstance(token, bool) and token >= 0
+    return isinstance(token, Integral) and not isinstance(token, bool) and int(token) >= 0
 
 
 def _attack_positions(attack_mask: object, attention_mask: torch.Tensor | None, perturbed: list[list[int]],
@@ -100,7 +101,7 @@ def _attack_positions(attack_mask: object, attention_mask: torch.Tensor | None, 
     return positions
 
 
-def _resolve_method(method: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
+def _resolve_method(method: MtiMethod, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> MtiMethod:
     check_choice("method", method, MTI_METHODS)
     if method != "auto":
         return method
@@ -173,7 +174,7 @@ def _predict_causal_stand_in(model: torch.nn.Module, sequence: list[int], positi
 # --- the attack ---------------------------------------------------------------------------------------
 def _rouge_units(ids: list[int], tokenizer: PreTrainedTokenizerBase, unit: str, special: frozenset[int]) -> list:
     if unit == "words":
-        return tokenizer.decode(ids, skip_special_tokens=True).split()
+        return str(tokenizer.decode(ids, skip_special_tokens=True)).split()
     return [t for t in ids if t not in special]
 
 
@@ -185,7 +186,7 @@ def masked_token_inference(
     *,
     attention_mask: torch.Tensor | None = None,
     attack_mask: Sequence[Sequence[bool]] | torch.Tensor | None = None,
-    method: Literal["auto", "masked-lm", "causal-lm-stand-in"] = "auto",
+    method: MtiMethod = "auto",
     top_k: int = 10,
     exclude_special_tokens: bool = True,
     rouge_on: Literal["words", "tokens"] = "words",

@@ -61,20 +61,19 @@ def rouge_l_f1(reference: TokenSequence, hypothesis: TokenSequence) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def _rectangular(name: str, value: object) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except ValueError as error:  # ragged nested lists
+        raise ValueError(f"{name} must be rectangular (a tensor, an array or equal-length lists)") from error
+
+
 def _flat_pairs(first: str, a: object, second: str, b: object, mask: object | None) -> tuple[np.ndarray, np.ndarray]:
     """Flatten two equally shaped id collections (tensors, arrays, or nested equal-length lists) and apply mask."""
-    arrays = []
-    for name, value in ((first, a), (second, b), ("mask", mask)):
-        if value is None:
-            arrays.append(None)
-            continue
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
-        try:
-            arrays.append(np.asarray(value))
-        except ValueError as error:  # ragged nested lists
-            raise ValueError(f"{name} must be rectangular (a tensor, an array or equal-length lists)") from error
-    x, y, m = arrays
+    x, y = _rectangular(first, a), _rectangular(second, b)
+    m = None if mask is None else _rectangular("mask", mask)
     if x.shape != y.shape:
         raise ValueError(f"{second} has shape {y.shape} but {first} has shape {x.shape}")
     if x.size == 0:

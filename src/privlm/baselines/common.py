@@ -9,5 +9,5 @@ from privlm.models import SplitModel, TokenBatch
 
 def text_positions(model: SplitModel, batch: TokenBatch) -> torch.Tensor:
     """True where a position holds user text: not padding and not a tokenizer-added special token."""
-    special = torch.tensor(sorted(model.tokenizer.all_special_ids), device=batch.input_ids.device)
+    special = torch.tensor(sorted(model.require_tokenizer().all_special_ids), device=batch.input_ids.device)
     return batch.attention_mask.bool() & ~torch.isin(batch.input_ids, special)

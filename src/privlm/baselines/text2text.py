@@ -40,7 +40,7 @@ class Text2Text:
         batch = self.model.tokenize(texts)
         perturbed = text_positions(self.model, batch)
         clean = self.model.embed_tokens(batch.input_ids[perturbed])
-        noisy = self.mechanism.randomise(clean, generator=self.generator)
+        noisy = self.mechanism.sample(clean, generator=self.generator)
         released = batch.input_ids.clone()
         released[perturbed] = project_to_vocabulary(noisy, self.model.embedding_matrix, chunk_size=self.chunk_size)
         kept = int((batch.attention_mask.bool() & ~perturbed).sum())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from privlm.mechanisms import DChiLaplace, make_generator
+from privlm.mechanisms import DChiLaplace, NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenBatch
 from privlm.models.batching import map_in_length_order
 
@@ -29,7 +29,7 @@ class PrivatizedTokens:
 class TokEmbPriv:
     """Sentence embeddings from noisy token embeddings, with the same ``encode`` shape as sentence-transformers."""
 
-    def __init__(self, model: SplitModel, *, eta: float, sampler: str = "gamma",
+    def __init__(self, model: SplitModel, *, eta: float, sampler: NoiseSampler = "gamma",
                  generator: torch.Generator | None = None) -> None:
         self.model = model
         self.mechanism = DChiLaplace(eta=eta, sampler=sampler)
@@ -39,7 +39,7 @@ class TokEmbPriv:
     def privatize(self, texts: Sequence[str]) -> PrivatizedTokens:
         batch = self.model.tokenize(texts)
         clean = self.model.embed_tokens(batch.input_ids)
-        noisy = self.mechanism.randomise(clean, generator=self.generator)
+        noisy = self.mechanism.sample(clean, generator=self.generator)
         return PrivatizedTokens(batch=batch, clean=clean, noisy=noisy)
 
     @torch.inference_mode()

@@ -3,6 +3,10 @@
 A sweep prepares shared state once (models, data), then evaluates every point. The harness shows
 progress, times each point, and writes ``results.json`` (every figure with its provenance),
 ``results.md`` (a table) and one privacy-utility PNG per task.
+
+Methods have a stable ``key`` (command lines, ``results.json`` rows) and a display ``label`` (tables,
+plots); ``results.json`` keeps the key -> label map in its metadata. Files written before keys existed
+hold labels in their rows; :func:`load_results` maps them back to keys with the sweep's registry entry.
 """
 
 from __future__ import annotations
@@ -17,13 +21,32 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from privlm.eval.provenance import provenance
 from privlm.eval.report import markdown_report, plot_privacy_utility
+from privlm.provenance import provenance
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method of a sweep: ``key`` is its stable id, ``label`` its display name, ``stream`` the name its
+    noise is seeded from (methods that must release the same noise share a stream)."""
+
+    key: str
+    label: str
+    stream: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key or not all(c.isalnum() or c in "-_" for c in self.key):
+            raise ValueError(f"method key must be letters, digits, '-' or '_', got {self.key!r}")
+        if not self.stream:
+            object.__setattr__(self, "stream", self.label)
+
+
+NON_PRIVATE = Method("non-private", "non-private")
 
 
 @dataclass(frozen=True)
 class Point:
-    method: str
+    method: str  # a method key
     level: float  # eta or epsilon; math.inf is the non-private reference
     task: str
 
@@ -34,7 +57,7 @@ class Sweep:
 
     name: str
     description: str
-    methods: Sequence[str]
+    methods: Sequence[Method]
     levels: Sequence[float]
     tasks: Sequence[str]
     evaluate: Callable[[Point], dict[str, float]]
@@ -45,8 +68,12 @@ class Sweep:
     references: Sequence[Point] = ()  # extra points, e.g. the non-private model
 
     def points(self) -> list[Point]:
-        grid = [Point(m, lvl, t) for t in self.tasks for m in self.methods for lvl in self.levels]
+        grid = [Point(m.key, lvl, t) for t in self.tasks for m in self.methods for lvl in self.levels]
         return [*self.references, *grid]
+
+    def labels(self) -> dict[str, str]:
+        """key -> label of every method, the non-private reference included."""
+        return {NON_PRIVATE.key: NON_PRIVATE.label} | {m.key: m.label for m in self.methods}
 
 
 @dataclass
@@ -54,6 +81,12 @@ class BenchReport:
     directory: Path
     rows: list[dict[str, object]]
     files: list[Path]
+
+
+def _level(value: object) -> float:
+    if not isinstance(value, int | float):
+        raise ValueError(f"a privacy level must be a number, got {value!r}")
+    return float(value)
 
 
 def _json_safe(value: object) -> object:
@@ -68,7 +101,8 @@ def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None
     console = console or Console()
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = provenance(seed=seed, command=command) | {"sweep": sweep.name, "description": sweep.description,
-                                                     "settings": sweep.settings, "level_name": sweep.level_name}
+                                                     "settings": sweep.settings, "level_name": sweep.level_name,
+                                                     "methods": sweep.labels()}
     partial = out_dir / "results.partial.jsonl"
     rows = _resumable_rows(partial, sweep) if resume else []
     done = {(r["task"], r["method"], r[sweep.level_name]) for r in rows}
@@ -81,7 +115,7 @@ def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None
         for point in sweep.points():
             if (point.task, point.method, point.level) in done:
                 continue
-            progress.update(overall, description=f"{sweep.name}: {point.task} / {point.method} / "
+            progress.update(overall, description=f"{sweep.name}: {point.task} / {sweep.labels()[point.method]} / "
                                                  f"{sweep.level_name}={point.level:g}")
             t0 = time.perf_counter()
             metrics = sweep.evaluate(point)
@@ -92,7 +126,7 @@ def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None
             progress.advance(overall)
     partial.unlink(missing_ok=True)
     order = {(p.task, p.method, p.level): i for i, p in enumerate(sweep.points())}
-    rows.sort(key=lambda r: order[(r["task"], r["method"], r[sweep.level_name])])
+    rows.sort(key=lambda r: order[(str(r["task"]), str(r["method"]), _level(r[sweep.level_name]))])
     meta["wall_seconds"] = round(time.perf_counter() - started, 1)
     files = [out_dir / "results.json", out_dir / "results.md"]
     payload = {"metadata": meta, "rows": [{k: _json_safe(v) for k, v in row.items()} for row in rows]}
@@ -113,23 +147,47 @@ def _from_json(value: object) -> object:
     return float(value) if value in ("inf", "-inf", "nan") else value
 
 
-def load_results(out_dir: Path) -> tuple[dict[str, object], list[dict[str, object]]]:
-    """(metadata, rows) of ``out_dir/results.json``, with "inf"/"nan" back as floats."""
+Row = dict[str, object]
+
+
+@dataclass(frozen=True)
+class Results:
+    """A sweep's ``results.json``: metadata, rows keyed by method key, and each key's display label."""
+
+    meta: dict[str, object]
+    rows: list[Row]
+    labels: dict[str, str]
+
+    def labelled_rows(self) -> list[Row]:
+        """Rows with each method key replaced by its label, for tables and plots."""
+        return [r | {"method": self.labels.get(str(r["method"]), str(r["method"]))} for r in self.rows]
+
+
+def load_results(out_dir: Path, *, known: Sequence[Method] = ()) -> Results:
+    """``out_dir/results.json`` with "inf"/"nan" back as floats. ``known`` maps the labels that files
+    written before method keys hold in their rows back to keys."""
     payload = json.loads((out_dir / "results.json").read_text())
-    return payload["metadata"], [{k: _from_json(v) for k, v in row.items()} for row in payload["rows"]]
+    meta, rows = payload["metadata"], [{k: _from_json(v) for k, v in row.items()} for row in payload["rows"]]
+    labels = meta.get("methods")
+    if labels is None:
+        by_label = {m.label: m.key for m in (NON_PRIVATE, *known)}
+        labels = {by_label.get(str(r["method"]), str(r["method"])): str(r["method"]) for r in rows}
+        rows = [r | {"method": by_label.get(str(r["method"]), str(r["method"]))} for r in rows]
+    return Results(meta=meta, rows=rows, labels={str(k): str(v) for k, v in labels.items()})
 
 
-def render_report(out_dir: Path) -> list[Path]:
+def render_report(out_dir: Path, *, known: Sequence[Method] = ()) -> list[Path]:
     """(Re)write ``results.md`` and the plots from ``results.json`` alone."""
-    meta, rows = load_results(out_dir)
-    level_name = meta["level_name"]
+    results = load_results(out_dir, known=known)
+    meta, rows = results.meta, results.labelled_rows()
+    level_name = str(meta["level_name"])
     files = [out_dir / "results.md"]
     files[0].write_text(markdown_report(meta, rows))
     for task in dict.fromkeys(str(r["task"]) for r in rows):
         png = out_dir / f"privacy_utility_{task}.png"
         plot_privacy_utility([r for r in rows if r["task"] == task], path=png, title=f"{meta['sweep']}: {task}",
-                             level_name=level_name, x_metric=meta.get("attack_metric", "attack_success"),
-                             y_metric=meta.get("utility_metric", "auc"),
+                             level_name=level_name, x_metric=str(meta.get("attack_metric", "attack_success")),
+                             y_metric=str(meta.get("utility_metric", "auc")),
                              caption=f"{meta['command']}  (seed {meta['seed']}, {str(meta['git_commit'])[:12]})")
         files.append(png)
     return files

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -20,7 +21,8 @@ from torch import nn
 
 from privlm._validation import check_choice, check_positive_finite, check_positive_int
 
-PROBE_KINDS = ("mlp", "logistic")
+ProbeKind = Literal["mlp", "logistic"]
+PROBE_KINDS: tuple[ProbeKind, ...] = ("mlp", "logistic")
 ArrayLike = np.ndarray | torch.Tensor
 
 
@@ -80,7 +82,9 @@ class TwoLayerProbe(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, n_classes))
         with torch.no_grad():  # PyTorch's default init, drawn from our generator instead of the global RNG
-            for layer in (self.net[0], self.net[2]):
+            for layer in self.net:
+                if not isinstance(layer, nn.Linear):
+                    continue
                 bound = 1 / math.sqrt(layer.in_features)
                 layer.weight.uniform_(-bound, bound, generator=generator)
                 layer.bias.uniform_(-bound, bound, generator=generator)
@@ -91,7 +95,7 @@ class TwoLayerProbe(nn.Module):
 
 @dataclass(kw_only=True)
 class ProbeResult:
-    kind: str
+    kind: ProbeKind
     accuracy: float
     auc: float
     validation_accuracy: float
@@ -110,7 +114,7 @@ class ProbeResult:
 class Probe:
     """A probe fitted on train features; standardisation statistics come from train only."""
 
-    kind: str = "mlp"
+    kind: ProbeKind = "mlp"
     seed: int = 0
     max_epochs: int = 200
     patience: int = 10
@@ -157,15 +161,13 @@ class Probe:
 
     def _fit_logistic(self, x: np.ndarray, y: np.ndarray, xv: np.ndarray, yv: np.ndarray) -> None:
         """Choose the inverse regularisation C by validation log-loss."""
-        best = None
+        fits = []
         for c in (0.001, 0.01, 0.1, 1.0, 10.0):
             model = LogisticRegression(C=c, max_iter=2000, random_state=self.seed).fit(x, y)
             proba = np.zeros((len(xv), self.n_classes))
             proba[:, model.classes_] = model.predict_proba(xv)
-            loss = -np.log(np.clip(proba[np.arange(len(yv)), yv], 1e-12, 1)).mean()
-            if best is None or loss < best[0]:
-                best = (loss, model)
-        self.model = best[1]
+            fits.append((float(-np.log(np.clip(proba[np.arange(len(yv)), yv], 1e-12, 1)).mean()), model))
+        self.model = min(fits, key=lambda fit: fit[0])[1]  # the first of equals, as a strict "<" scan
 
     def _fit_mlp(self, x: np.ndarray, y: np.ndarray, xv: np.ndarray, yv: np.ndarray) -> None:
         """Adam on cross-entropy; keep the weights of the best validation loss; stop after ``patience``."""
@@ -201,12 +203,12 @@ def evaluate_probe(
     validation: tuple[ArrayLike, ArrayLike],
     test: tuple[ArrayLike, ArrayLike],
     *,
-    kind: str = "mlp",
+    kind: ProbeKind = "mlp",
     seed: int = 0,
-    **probe_options: object,
+    **probe_options: Any,
 ) -> ProbeResult:
-    """Fit on train, select on validation, then score the test split once."""
-    probe = Probe(kind=kind, seed=seed, **probe_options).fit(*train, *validation)  # type: ignore[arg-type]
+    """Fit on train, select on validation, then score the test split once; ``probe_options`` go to :class:`Probe`."""
+    probe = Probe(kind=kind, seed=seed, **probe_options).fit(*train, *validation)
     val = classification_metrics(as_labels(validation[1], len(as_numpy(validation[0], "val_x")), "val_y"),
                                  probe.predict_proba(validation[0]))
     test_x = as_numpy(test[0], "test_x")

@@ -6,10 +6,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure  # the object API draws to files without touching pyplot's backend
 
 
 def format_level(level: float) -> str:
@@ -24,6 +21,12 @@ def _cell(value: object) -> str:
             return "∞"
         return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
+
+
+def _number(value: object) -> float:
+    if not isinstance(value, int | float | str):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:
@@ -45,9 +48,10 @@ def plot_privacy_utility(rows: Sequence[dict[str, object]], *, path: Path, title
                          x_metric: str, y_metric: str, caption: str = "") -> None:
     """Utility on y, attack success on x, one curve per method in order of its privacy level, each point
     labelled with its level; the non-private reference (level = inf) is a black star on top."""
-    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    fig = Figure(figsize=(7.5, 5.2))
+    ax = fig.subplots()
     for method in dict.fromkeys(str(r["method"]) for r in rows):
-        points = sorted(((float(r[x_metric]), float(r[y_metric]), float(r[level_name]))  # type: ignore[arg-type]
+        points = sorted(((_number(r[x_metric]), _number(r[y_metric]), _number(r[level_name]))
                          for r in rows if r["method"] == method), key=lambda p: p[2])
         finite = [p for p in points if math.isfinite(p[2])]
         for x, y, _ in (p for p in points if math.isinf(p[2])):
@@ -67,4 +71,3 @@ def plot_privacy_utility(rows: Sequence[dict[str, object]], *, path: Path, title
         fig.text(0.01, 0.005, caption, fontsize=6, color="gray")
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path, dpi=130)
-    plt.close(fig)

@@ -1,15 +1,18 @@
-"""Differential-privacy mechanisms: pure math on torch tensors, no I/O."""
+"""Differential-privacy mechanisms: pure math on torch tensors, no I/O.
+
+Every mechanism implements :class:`Mechanism`: ``sample`` with an explicit generator, its privacy
+claim ``privacy_bound``, its ledger cost ``spend``, and (discrete ones) ``log_probabilities``.
+"""
 
 from privlm.mechanisms.bucketized import (
     Bucketing,
-    BucketizedDraw,
     BucketizedExponentialMechanism,
     bucketize,
     bucketized_log_probabilities,
     bucketized_pair_bound,
 )
 from privlm.mechanisms.clipping import clip_to_norm, clip_with_effective_noise
-from privlm.mechanisms.dchi import DChiLaplace, sample_dchi_noise
+from privlm.mechanisms.dchi import DChiLaplace, NoiseSampler, sample_dchi_noise
 from privlm.mechanisms.exponential import (
     ExponentialMechanism,
     exponential_log_probabilities,
@@ -17,14 +20,20 @@ from privlm.mechanisms.exponential import (
 )
 from privlm.mechanisms.privacy_loss import exact_privacy_loss
 from privlm.mechanisms.projection import nearest_neighbours, project_to_vocabulary, squared_distances
+from privlm.mechanisms.protocol import DiscreteMechanism, Mechanism, OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import make_generator
 
 __all__ = [
     "Bucketing",
-    "BucketizedDraw",
     "BucketizedExponentialMechanism",
     "DChiLaplace",
+    "DiscreteMechanism",
     "ExponentialMechanism",
+    "Mechanism",
+    "NoiseSampler",
+    "OutputKind",
+    "PrivacyUnit",
+    "Spend",
     "bucketize",
     "bucketized_log_probabilities",
     "bucketized_pair_bound",

@@ -12,7 +12,8 @@ x, x' with K, K' non-empty buckets and every output y,
 The Cape paper (Thm 4.1) states eps + eps' with eps' = ln(max_b |b| / min_b |b|): it drops the
 ln(K'/K) term, so it holds when both inputs have the same number of non-empty buckets but can
 be exceeded (by up to ln N_b) otherwise. privlm reports the paper's realised eps' per row
-(``eps_prime``) and the sound pairwise bound from :func:`bucketized_pair_bound`.
+(``Bucketing.eps_prime``) and the sound pairwise bound from :func:`bucketized_pair_bound`. Over all
+pairs, the bound is at most eps + ln(N_b) + ln(|V|): what a ledger is charged per release.
 
 Limits: with ``n_buckets = 1`` the output is uniform over the vocabulary (the plain mechanism
 at eps = 0); when every bucket holds one token it is exactly the plain exponential mechanism.
@@ -27,6 +28,7 @@ import torch
 
 from privlm._validation import check_float_tensor, check_positive_finite, check_positive_int
 from privlm.mechanisms.exponential import sample_from_probabilities
+from privlm.mechanisms.protocol import OutputKind, PrivacyUnit, Spend, rows_of
 
 _WIDTH_TOLERANCE = 1e-9
 
@@ -104,18 +106,13 @@ def bucketized_pair_bound(x: Bucketing, x_prime: Bucketing, *, epsilon: float) -
     return torch.maximum(one_way(x, x_prime), one_way(x_prime, x))
 
 
-@dataclass(frozen=True)
-class BucketizedDraw:
-    """Sampled candidates with the realised privacy parameters of each row."""
-
-    indices: torch.Tensor  # (..., num_samples)
-    eps_prime: torch.Tensor  # (...,) paper's realised eps'
-    non_empty_buckets: torch.Tensor  # (...,)
-
-
 @dataclass(frozen=True, kw_only=True)
 class BucketizedExponentialMechanism:
-    """Cape's bucketized exponential mechanism; defaults follow Cape (N_b = 50)."""
+    """Cape's bucketized exponential mechanism; defaults follow Cape (N_b = 50).
+
+    Input: utility rows (..., |V|), one release per row. The guarantee assumes every utility, of every
+    input, lies in one interval of width ``sensitivity`` (Cape's u lies in [0, lambda_L + lambda_D]).
+    """
 
     epsilon: float
     sensitivity: float = 1.0
@@ -126,17 +123,42 @@ class BucketizedExponentialMechanism:
         object.__setattr__(self, "sensitivity", check_positive_finite("sensitivity", self.sensitivity))
         check_positive_int("n_buckets", self.n_buckets)
 
-    def log_probabilities(self, utility: torch.Tensor) -> tuple[torch.Tensor, Bucketing]:
+    @property
+    def output_kind(self) -> OutputKind:
+        return "discrete"
+
+    def bucketing(self, utility: torch.Tensor) -> Bucketing:
+        """The buckets of each row: sizes, scores, non-empty count K and the paper's realised eps'."""
+        return bucketize(utility, n_buckets=self.n_buckets)
+
+    def log_probabilities(self, utility: torch.Tensor) -> torch.Tensor:
+        """Exact output log-probabilities (float64), shape of ``utility``."""
         return bucketized_log_probabilities(utility, epsilon=self.epsilon, sensitivity=self.sensitivity,
-                                            n_buckets=self.n_buckets)
+                                            n_buckets=self.n_buckets)[0]
 
     def probabilities(self, utility: torch.Tensor) -> torch.Tensor:
-        return self.log_probabilities(utility)[0].exp()
+        return self.log_probabilities(utility).exp()
 
-    def sample(self, utility: torch.Tensor, *, num_samples: int = 1,
-               generator: torch.Generator | None = None) -> BucketizedDraw:
-        log_probs, buckets = self.log_probabilities(utility)
+    def sample(self, utility: torch.Tensor, *, num_samples: int | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sampled candidate ids: shape (...) for utility (..., |V|); ``num_samples=n``: (n, ...)."""
         # Sampling a token from P(y) = P(b(y)) / |b(y)| is the same law as bucket-then-uniform.
-        indices = sample_from_probabilities(log_probs.exp(), num_samples=num_samples, generator=generator)
-        return BucketizedDraw(indices=indices, eps_prime=buckets.eps_prime,
-                              non_empty_buckets=buckets.non_empty)
+        return sample_from_probabilities(self.probabilities(utility), num_samples=num_samples, generator=generator)
+
+    def privacy_bound(self, utility: torch.Tensor, utility_prime: torch.Tensor) -> float:
+        """The sound pairwise bound of :func:`bucketized_pair_bound`, added over rows."""
+        if utility.shape != utility_prime.shape:
+            raise ValueError(f"utility rows must have the same shape, got {tuple(utility.shape)} and "
+                             f"{tuple(utility_prime.shape)}")
+        both = torch.cat([utility, utility_prime], dim=-1).to(torch.float64)
+        span = (both.max(dim=-1).values - both.min(dim=-1).values).max().item()
+        if span > self.sensitivity * (1 + _WIDTH_TOLERANCE):
+            raise ValueError(f"the two inputs' utilities span {span:.6g}, more than sensitivity="
+                             f"{self.sensitivity:.6g}; the guarantee needs them in one interval of that width")
+        bound = bucketized_pair_bound(self.bucketing(utility), self.bucketing(utility_prime), epsilon=self.epsilon)
+        return float(bound.sum())
+
+    def spend(self, utility: torch.Tensor) -> Spend:
+        """Per row, the data-independent worst case of the pair bound: eps + ln(n_buckets) + ln(|V|)."""
+        per_row = self.epsilon + math.log(self.n_buckets) + math.log(utility.shape[-1])
+        return Spend(PrivacyUnit.EPSILON, per_row * rows_of(utility))

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite
+from privlm._validation import check_float_tensor, check_positive_finite, check_positive_int
+from privlm.mechanisms.protocol import OutputKind, PrivacyUnit, Spend, rows_of
 from privlm.mechanisms.randomness import resolve_generator
+
+_NEIGHBOUR_TOLERANCE = 1e-9
 
 
 def exponential_log_probabilities(utility: torch.Tensor, *, epsilon: float, sensitivity: float) -> torch.Tensor:
@@ -25,18 +28,34 @@ def exponential_log_probabilities(utility: torch.Tensor, *, epsilon: float, sens
     return torch.log_softmax(logits, dim=-1)
 
 
-def sample_from_probabilities(probabilities: torch.Tensor, *, num_samples: int = 1,
+def sample_from_probabilities(probabilities: torch.Tensor, *, num_samples: int | None = None,
                               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw ``num_samples`` indices per row of a (..., |V|) probability tensor."""
+    """One index per row of a (..., |V|) probability tensor, shape (...); ``num_samples=n``: shape (n, ...)."""
     generator = resolve_generator(generator, probabilities.device)
+    n = 1 if num_samples is None else check_positive_int("num_samples", num_samples)
     flat = probabilities.reshape(-1, probabilities.shape[-1])
-    draws = torch.multinomial(flat, num_samples, replacement=True, generator=generator)
-    return draws.reshape(*probabilities.shape[:-1], num_samples)
+    draws = torch.multinomial(flat, n, replacement=True, generator=generator)  # (rows, n)
+    batch = probabilities.shape[:-1]
+    return draws.reshape(batch) if num_samples is None else draws.T.reshape(n, *batch)
+
+
+def check_neighbours(utility: torch.Tensor, utility_prime: torch.Tensor, sensitivity: float) -> None:
+    """Two utility tensors of one shape whose rows differ by at most ``sensitivity`` for every candidate."""
+    if utility.shape != utility_prime.shape:
+        raise ValueError(f"utility rows must have the same shape, got {tuple(utility.shape)} and "
+                         f"{tuple(utility_prime.shape)}")
+    gap = (utility.to(torch.float64) - utility_prime.to(torch.float64)).abs().max().item()
+    if gap > sensitivity * (1 + _NEIGHBOUR_TOLERANCE):
+        raise ValueError(f"the inputs are not neighbours: max |u - u'| = {gap:.6g} > sensitivity = {sensitivity:.6g}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExponentialMechanism:
-    """Exponential mechanism with privacy budget ``epsilon`` and utility sensitivity ``sensitivity``."""
+    """Exponential mechanism with privacy budget ``epsilon`` and utility sensitivity ``sensitivity``.
+
+    Input: utility rows (..., |V|), one release per row. Neighbouring relation: utility rows that differ
+    by at most ``sensitivity`` for every candidate; the claim is ``epsilon`` per row, added over rows.
+    """
 
     epsilon: float
     sensitivity: float = 1.0
@@ -45,15 +64,28 @@ class ExponentialMechanism:
         object.__setattr__(self, "epsilon", check_positive_finite("epsilon", self.epsilon))
         object.__setattr__(self, "sensitivity", check_positive_finite("sensitivity", self.sensitivity))
 
+    @property
+    def output_kind(self) -> OutputKind:
+        return "discrete"
+
     def log_probabilities(self, utility: torch.Tensor) -> torch.Tensor:
+        """Exact output log-probabilities (float64), shape of ``utility``."""
         return exponential_log_probabilities(utility, epsilon=self.epsilon, sensitivity=self.sensitivity)
 
     def probabilities(self, utility: torch.Tensor) -> torch.Tensor:
         """Exact output probabilities (float64), shape of ``utility``."""
         return self.log_probabilities(utility).exp()
 
-    def sample(self, utility: torch.Tensor, *, num_samples: int = 1,
+    def sample(self, utility: torch.Tensor, *, num_samples: int | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sampled output indices, shape (..., num_samples)."""
+        """Sampled candidate ids: shape (...) for utility (..., |V|); ``num_samples=n``: (n, ...)."""
         return sample_from_probabilities(self.probabilities(utility), num_samples=num_samples,
                                          generator=generator)
+
+    def privacy_bound(self, utility: torch.Tensor, utility_prime: torch.Tensor) -> float:
+        """epsilon per row, for neighbouring utility rows (refused otherwise)."""
+        check_neighbours(utility, utility_prime, self.sensitivity)
+        return self.epsilon * rows_of(utility)
+
+    def spend(self, utility: torch.Tensor) -> Spend:
+        return Spend(PrivacyUnit.EPSILON, self.epsilon * rows_of(utility))

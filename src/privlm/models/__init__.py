@@ -1,6 +1,6 @@
 """Loading HF models offline and splitting them into a client half and a server half."""
 
-from privlm.models.client import TokenBatch, TokenEmbedder, check_texts, model_fingerprint
+from privlm.models.client import TokenBatch, TokenEmbedder, Tokens, TruncationPolicy, check_texts, model_fingerprint
 from privlm.models.device import resolve_device
 from privlm.models.loading import load_pretrained, model_family
 from privlm.models.pooling import POOLINGS, cls_pool, last_token_pool, mean_pool
@@ -14,6 +14,8 @@ __all__ = [
     "SplitModel",
     "TokenBatch",
     "TokenEmbedder",
+    "Tokens",
+    "TruncationPolicy",
     "check_texts",
     "cls_pool",
     "last_token_pool",

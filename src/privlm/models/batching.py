@@ -19,8 +19,7 @@ def length_sorted_batches(texts: Sequence[str], batch_size: int) -> Iterator[lis
 def map_in_length_order(texts: Sequence[str], encode_batch: Callable[[list[str]], np.ndarray], *,
                         batch_size: int) -> np.ndarray:
     """Apply ``encode_batch`` to length-sorted batches and return rows in the original order."""
-    rows: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
+    rows: dict[int, np.ndarray] = {}
     for indices in length_sorted_batches(texts, batch_size):
-        for i, row in zip(indices, encode_batch([texts[i] for i in indices]), strict=True):
-            rows[i] = row
-    return np.stack(rows)
+        rows |= zip(indices, encode_batch([texts[i] for i in indices]), strict=True)
+    return np.stack([rows[i] for i in range(len(texts))])

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +22,30 @@ from transformers import PreTrainedTokenizerBase
 from privlm._validation import check_choice
 from privlm.models.device import resolve_device
 
-TRUNCATION_POLICIES = ("warn", "error", "count")  # "count": the caller reports truncation itself
+TruncationPolicy = Literal["warn", "error", "count"]  # "count": the caller reports truncation itself
+TRUNCATION_POLICIES: tuple[TruncationPolicy, ...] = ("warn", "error", "count")
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One tokenization of a list of texts: full-length ids with special tokens, never truncated."""
+
+    texts: tuple[str, ...]
+    ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(ids) for ids in self.ids]
+
+    def longer_than(self, max_length: int) -> list[int]:
+        """Indices of the texts with more than ``max_length`` tokens."""
+        return [i for i, ids in enumerate(self.ids) if len(ids) > max_length]
+
+    def subset(self, indices: Sequence[int]) -> Tokens:
+        return Tokens(texts=tuple(self.texts[i] for i in indices), ids=tuple(self.ids[i] for i in indices))
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 @dataclass
@@ -70,6 +95,8 @@ class TokenEmbedder:
                  device: str | torch.device = "auto") -> None:
         self.device = resolve_device(device)
         self.tokenizer = tokenizer
+        # A fast tokenizer keeps truncation and padding settings as shared state: one call at a time.
+        self._tokenizer_lock = threading.Lock()
         if tokenizer is not None and tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
         self._embedding_weight = embedding_weight
@@ -102,31 +129,63 @@ class TokenEmbedder:
         return model_fingerprint(self.embedding_matrix, self.config_dict)
 
     # --- tokens -------------------------------------------------------------------------------
+    def tokens(self, texts: Sequence[str]) -> Tokens:
+        """Tokenize once: every text's full-length ids (special tokens included), in one tokenizer call."""
+        check_texts(texts)
+        tokenizer = self.require_tokenizer()
+        with self._tokenizer_lock:
+            ids = tokenizer(list(texts), truncation=False)["input_ids"]
+        return Tokens(texts=tuple(texts), ids=tuple(tuple(row) for row in ids))
+
+    def content_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Every text's ids without the tokenizer's special tokens (no [CLS]/[SEP]), untruncated."""
+        check_texts(texts)
+        tokenizer = self.require_tokenizer()
+        with self._tokenizer_lock:
+            return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
     def token_counts(self, texts: Sequence[str]) -> list[int]:
         """Token count of each text with special tokens, untruncated."""
-        return [len(ids) for ids in self._require_tokenizer()(list(texts), truncation=False)["input_ids"]]
+        return self.tokens(texts).counts
 
-    def tokenize(self, texts: Sequence[str], *, truncation: str = "warn", max_length: int | None = None
+    def pad(self, tokens: Tokens, *, max_length: int | None = None) -> TokenBatch:
+        """A right-padded batch on the model's device; texts over ``max_length`` (default: the model's)
+        are cut as the tokenizer cuts them (special tokens kept) and flagged in ``truncated``."""
+        max_length = min(max_length or self.max_length, self.max_length)
+        tokenizer = self.require_tokenizer()
+        rows = list(tokens.ids)
+        long = tokens.longer_than(max_length)
+        if long:
+            with self._tokenizer_lock:
+                cut = tokenizer([tokens.texts[i] for i in long], truncation=True, max_length=max_length)["input_ids"]
+            for i, ids in zip(long, cut, strict=True):
+                rows[i] = tuple(ids)
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), int(tokenizer.pad_token_id), dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, :len(row)] = 1
+        truncated = [len(ids) > max_length for ids in tokens.ids]
+        return TokenBatch(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                          truncated=truncated)
+
+    def tokenize(self, texts: Sequence[str], *, truncation: TruncationPolicy = "warn", max_length: int | None = None
                  ) -> TokenBatch:
         """Tokenize a batch (right padding). Texts over ``max_length`` (default: the model's) are cut
         and counted with a warning, or refused with ``truncation="error"``."""
-        tokenizer = self._require_tokenizer()
-        max_length = min(max_length or self.max_length, self.max_length)
         check_choice("truncation", truncation, TRUNCATION_POLICIES)
-        check_texts(texts)
-        full_lengths = self.token_counts(texts)
-        truncated = [n > max_length for n in full_lengths]
-        if any(truncated):
-            message = (f"{sum(truncated)} of {len(texts)} texts exceed max_length={max_length} tokens "
-                       f"(longest: {max(full_lengths)})")
+        tokens = self.tokens(texts)
+        limit = min(max_length or self.max_length, self.max_length)
+        long = tokens.longer_than(limit)
+        if long:
+            message = (f"{len(long)} of {len(tokens)} texts exceed max_length={limit} tokens "
+                       f"(longest: {max(tokens.counts)})")
             if truncation == "error":
                 raise ValueError(message + "; pass truncation='warn' to cut them")
             if truncation == "warn":
                 warnings.warn(message + "; they were truncated", stacklevel=2)
-        batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt", padding_side="right")
-        return TokenBatch(input_ids=batch["input_ids"].to(self.device),
-                          attention_mask=batch["attention_mask"].to(self.device), truncated=truncated)
+        return self.pad(tokens, max_length=limit)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """X = word-embedding rows of ``input_ids``."""
@@ -157,7 +216,8 @@ class TokenEmbedder:
                    config=config.to_dict(), max_length=max_length, normalize=bool(st and st.normalize),
                    name=str(name_or_path), device=device)
 
-    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+    def require_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer, or a clear error for an embedder built without one."""
         if self.tokenizer is None:
             raise ValueError(f"{type(self).__name__} has no tokenizer; pass input_ids directly")
         return self.tokenizer

@@ -123,14 +123,15 @@ def load_pretrained(name_or_path: str | Path, *, device: torch.device, dtype: to
     path = materialise_gguf(source) if source.gguf_file else source.path
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     family = model_family(config)
+    model_class: type[T5EncoderModel | AutoModelForCausalLM | AutoModel]
     if family == "t5":
         model_class = T5EncoderModel
     elif family == "decoder" and causal_lm_head:
         model_class = AutoModelForCausalLM
     else:
         model_class = AutoModel
-    model = model_class.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model: PreTrainedModel = model_class.from_pretrained(path, local_files_only=True, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model.to(device).eval()
+    torch.nn.Module.to(model, device).eval()  # Module.to: transformers' own override confuses type checkers
     return LoadedModel(model=model, tokenizer=tokenizer, family=family, source=source, path=path,
                        sentence_transformer=read_sentence_transformer_config(path))

@@ -52,9 +52,13 @@ class SplitModel(TokenEmbedder):
         check_choice("pooling", pooling, ("auto", *POOLINGS))
         self.pooling = FAMILY_POOLING[self.family] if pooling == "auto" else pooling
         device = resolve_device(device)
-        self.model = model.to(device).eval()
+        self.model = model
+        torch.nn.Module.to(model, device).eval()  # Module.to: transformers' own override confuses type checkers
         self.backbone = model.base_model  # the transformer without task heads
-        super().__init__(tokenizer, self.model.get_input_embeddings().weight, config=model.config.to_dict(),
+        embeddings = self.model.get_input_embeddings()
+        if not isinstance(embeddings, torch.nn.Embedding):
+            raise ValueError(f"{type(model).__name__} has no word-embedding table ({type(embeddings).__name__})")
+        super().__init__(tokenizer, embeddings.weight, config=model.config.to_dict(),
                          max_length=max_length or _model_max_length(model.config), normalize=normalize,
                          name=name or model.config.name_or_path or model.config.model_type, device=device)
 

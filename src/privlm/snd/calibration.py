@@ -2,8 +2,9 @@
 
 eta has no universal meaning across models (the papers say so too): what matters is how often an
 attacker recovers a token. We measure the inversion rate on a fixed sample of real-text tokens
-over a log-spaced eta grid, reusing the same unit noise for every eta (common random numbers,
-z = z_1 / eta), and interpolate log(eta) against logit(rate) to hit the target rates.
+over a log-spaced eta grid, with the same unit noise at every eta (common random numbers: the
+mechanism draws z_1 / eta, and the generator restarts from one seed for each eta), and interpolate
+log(eta) against logit(rate) to hit the target rates.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from privlm.attacks import nearest_neighbour_inversion
-from privlm.mechanisms import make_generator, sample_dchi_noise
+from privlm.mechanisms import DChiLaplace, make_generator
 from privlm.models import SplitModel
 
 
@@ -29,7 +30,7 @@ class Calibration:
 
 def sample_text_tokens(model: SplitModel, texts: Sequence[str], *, n_tokens: int, seed: int) -> torch.Tensor:
     """Token ids of real text (no special tokens), drawn in proportion to their frequency."""
-    ids = [i for text in texts for i in model.tokenizer(text, add_special_tokens=False)["input_ids"]]
+    ids = [i for row in model.content_ids(texts) for i in row]
     if len(ids) < n_tokens:
         raise ValueError(f"the texts hold {len(ids)} tokens, fewer than n_tokens={n_tokens}")
     chosen = np.random.default_rng(seed).choice(len(ids), size=n_tokens, replace=False)
@@ -53,11 +54,10 @@ def _interpolate(grid: list[dict[str, float]], target: float) -> float:
 def calibrate_eta(model: SplitModel, token_ids: torch.Tensor, *, etas: Sequence[float],
                   targets: Sequence[float] = (0.5, 0.1, 0.01, 0.001), seed: int = 0) -> Calibration:
     clean = model.embed_tokens(token_ids)
-    unit = sample_dchi_noise(clean.shape, eta=1.0, generator=make_generator(seed, device=model.device),
-                             device=clean.device, dtype=clean.dtype)
     grid = []
     for eta in sorted(etas):
-        result = nearest_neighbour_inversion(clean + unit / eta, token_ids, model.embedding_matrix)
+        noisy = DChiLaplace(eta=eta).sample(clean, generator=make_generator(seed, device=model.device))
+        result = nearest_neighbour_inversion(noisy, token_ids, model.embedding_matrix)
         grid.append({"eta": eta, "rate": result.rate, "ci_low": result.ci_low, "ci_high": result.ci_high,
                      "tokens": result.trials})
     return Calibration(grid=grid, targets={t: _interpolate(grid, t) for t in targets})

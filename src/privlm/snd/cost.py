@@ -48,7 +48,7 @@ def client_timing(model: SplitModel, texts: Sequence[str], *, eta: float, denois
                   repeats: int = 3) -> dict[str, float]:
     """Seconds per sentence: client privatize, client denoise, server encode, and a full local forward."""
     net, card = load_denoiser(default_denoiser_dir(model.name) if denoiser == "default" else denoiser, model=model)
-    privatizer = SnDPrivatizer(model, eta=eta, clip=bool(card["training"]["clip"]))  # type: ignore[index]
+    privatizer = SnDPrivatizer(model, eta=eta, clip=card.training.clip)
     batches = [list(texts[i:i + batch_size]) for i in range(0, len(texts), batch_size)]
     private = [privatizer.privatize(b) for b in batches]
     server_out = [model.encode(p.noisy, p.attention_mask) for p in private]
@@ -84,9 +84,8 @@ def _run_role(role: str, model: str, denoiser: str, texts: list[str], eta: float
     with torch.inference_mode():
         if role == "client":
             client = TokenEmbedder.from_pretrained(model, device="cpu")
-            net, _ = load_denoiser(default_denoiser_dir(model) if denoiser == "default" else denoiser,
-                                   model=client)  # type: ignore[arg-type]
-            private = SnDPrivatizer(client, eta=eta).privatize(texts)  # type: ignore[arg-type]
+            net, _ = load_denoiser(default_denoiser_dir(model) if denoiser == "default" else denoiser, model=client)
+            private = SnDPrivatizer(client, eta=eta).privatize(texts)
             e_n = torch.zeros(len(texts), client.hidden_size)  # stands in for the server's answer
             net(e_n, private.noisy, private.noise, private.attention_mask, torch.full((len(texts),), eta))
         elif role == "full":

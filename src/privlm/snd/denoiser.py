@@ -25,16 +25,20 @@ Variants (same architecture and training; ``variant``):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from privlm._validation import check_choice, check_positive_finite, check_positive_int
 
-VARIANTS = ("snd", "server", "local")
-LAYOUTS = ("fused", "sequence")
-READOUTS = ("e_n", "query")
+Variant = Literal["snd", "server", "local"]
+Layout = Literal["fused", "sequence"]
+Readout = Literal["e_n", "query"]
+VARIANTS: tuple[Variant, ...] = ("snd", "server", "local")
+LAYOUTS: tuple[Layout, ...] = ("fused", "sequence")
+READOUTS: tuple[Readout, ...] = ("e_n", "query")
 _ETA_FREQUENCIES = 8
 
 
@@ -46,11 +50,11 @@ class DenoiserConfig:
     d_ff: int = 768
     dropout: float = 0.1
     max_tokens: int = 512
-    variant: str = "snd"
-    layout: str = "fused"
+    variant: Variant = "snd"
+    layout: Layout = "fused"
     eta_conditioned: bool = True
     residual: bool = True  # output = e_n + head(h_0); False: head(h_0) alone, as in the paper
-    readout: str = "e_n"  # read at e_n's row (the paper), or at an extra learned query row before it
+    readout: Readout = "e_n"  # read at e_n's row (the paper), or at an extra learned query row before it
     eta_min: float = 10.0
     eta_max: float = 200.0
 
@@ -70,11 +74,10 @@ class DenoiserConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @classmethod
-    def for_model(cls, dim: int, **overrides: object) -> DenoiserConfig:
+    def for_model(cls, dim: int, **overrides: Any) -> DenoiserConfig:
         """Sizes after the SnD paper's Table 8, scaled to the model width (MiniLM: 384 -> 3 layers, 6 heads)."""
         heads = next(h for h in ((6, 8) if dim <= 512 else (8, 12, 16)) + (4, 2, 1) if dim % h == 0)
-        sizes: dict[str, object] = {"n_heads": heads, "d_ff": 2 * dim, "n_layers": 3 if dim <= 512 else 6}
-        return cls(dim=dim, **(sizes | overrides))  # type: ignore[arg-type]
+        return replace(cls(dim=dim, n_heads=heads, d_ff=2 * dim, n_layers=3 if dim <= 512 else 6), **overrides)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -1,8 +1,12 @@
 """The private-embedding pipeline, in-process: privatize -> server half -> denoise.
 
 ``SnDEncoder(model="minilm", eta=50).encode(texts)`` returns a float32 (n, d) array like
-sentence-transformers' ``encode``. Here the "server" is the same process; ``privlm.serve`` puts
-a network between the two halves without changing the math.
+sentence-transformers' ``encode``; ``encode_with_report`` also returns what happened to the inputs.
+Here the "server" is the same process; ``privlm.snd.Client`` puts a network between the two halves
+without changing the math.
+
+Everything one call needs (its tokens, its generator, its report) lives in that call, so one encoder
+serves concurrent callers. With a ledger, the whole call's release is checked and spent first.
 """
 
 from __future__ import annotations
@@ -16,26 +20,45 @@ import numpy as np
 import torch
 
 from privlm._validation import check_choice, check_positive_int
-from privlm.mechanisms import make_generator
-from privlm.models import SplitModel, TokenEmbedder
-from privlm.models.batching import map_in_length_order
-from privlm.models.client import check_texts
+from privlm.accounting import Ledger, Receipt
+from privlm.mechanisms import NoiseSampler, make_generator
+from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
+from privlm.models.batching import length_sorted_batches
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
+from privlm.snd.card import DenoiserCard
 from privlm.snd.denoiser import Denoiser
 from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
 
 ServerFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (X~, mask) -> e_n
+LOCAL_PRINCIPAL = "local"
 
 
 @dataclass
 class EncodeReport:
-    """What happened to the inputs of the last ``encode`` call."""
+    """What happened to the inputs of one ``encode_with_report`` call."""
 
     texts: int = 0
-    tokens: int = 0
+    tokens: int = 0  # token rows privatized (special tokens included, truncated texts as cut)
     truncated: int = 0
     server_calls: int = 0
     truncated_indices: list[int] = field(default_factory=list)
+    receipt: Receipt | None = None  # the ledger's record of this call's spend, when there is a ledger
+
+
+@dataclass(frozen=True)
+class Encoded:
+    vectors: np.ndarray  # (n, d) float32, in the order of the texts
+    report: EncodeReport
+
+
+@dataclass
+class EncodeCall:
+    """The state of one call: its tokens, batches, generator and report (never shared between calls)."""
+
+    tokens: Tokens
+    batches: list[list[int]]
+    generator: torch.Generator
+    report: EncodeReport
 
 
 def resolve_model(model: str | Path | SplitModel, device: str | torch.device) -> SplitModel:
@@ -48,36 +71,45 @@ class SnDEncoder:
     ``denoiser``: ``"default"`` (the one shipped for a packaged model), a folder written by
     ``privlm snd train``, or None for no denoising (the clipped TokEmbPriv ablation).
     ``clip``: None follows the denoiser's training; True/False forces it.
+    ``generator``: one stream for every call (reproducible, but calls then share it); None gives each
+    call a fresh OS-seeded generator.
+    ``ledger``: every call's release (eta per token row) is spent there first, for the call's principal.
     """
 
     def __init__(self, model: str | Path | TokenEmbedder = "minilm", *, eta: float,
-                 denoiser: str | Path | None = "default", clip: bool | None = None, sampler: str = "gamma",
-                 device: str | torch.device = "auto", batch_size: int = 64, truncation: str = "warn",
-                 generator: torch.Generator | None = None, server: ServerFn | None = None) -> None:
+                 denoiser: str | Path | None = "default", clip: bool | None = None, sampler: NoiseSampler = "gamma",
+                 device: str | torch.device = "auto", batch_size: int = 64, truncation: TruncationPolicy = "warn",
+                 generator: torch.Generator | None = None, server: ServerFn | None = None,
+                 ledger: Ledger | None = None) -> None:
         self.model = model if isinstance(model, TokenEmbedder) else resolve_model(model, device)
-        if server is None and not isinstance(self.model, SplitModel):
-            raise ValueError("a client-only model needs a server function (see privlm.snd.Client)")
-        self._server = server or self.model.encode  # type: ignore[union-attr]
+        if server is None:
+            if not isinstance(self.model, SplitModel):
+                raise ValueError("a client-only model needs a server function (see privlm.snd.Client)")
+            server = self.model.encode
+        self._server = server
         self.batch_size = check_positive_int("batch_size", batch_size)
-        self.truncation = check_choice("truncation", truncation, ("warn", "error"))
+        self.truncation: TruncationPolicy = check_choice("truncation", truncation, ("warn", "error"))
         self.denoiser, self.card = self._load_denoiser(denoiser)
-        if clip is None:
-            clip = bool(self.card["training"]["clip"]) if self.card else True  # type: ignore[index]
-        self.privatizer = SnDPrivatizer(self.model, eta=eta, clip=clip, sampler=sampler,
-                                        generator=generator or make_generator(device=self.model.device))
+        clip = self.card.training.clip if clip is None and self.card else (True if clip is None else clip)
+        self.privatizer = SnDPrivatizer(self.model, eta=eta, clip=clip, sampler=sampler, generator=generator)
         if self.card:
-            warn_if_outside_range(self.card, self.privatizer.eta)
-        self.last_report = EncodeReport()
+            warn_if_outside_range(self.card, self.eta)
+        self.ledger = ledger
 
     @property
     def eta(self) -> float:
-        return self.privatizer.eta
+        return float(self.privatizer.eta)
 
     @property
     def variant(self) -> str:
         return self.denoiser.config.variant if self.denoiser is not None else "none"
 
-    def _load_denoiser(self, denoiser: str | Path | None) -> tuple[Denoiser | None, dict | None]:
+    @property
+    def needs_server(self) -> bool:
+        """False for the local-only model, which never calls the server (and so releases nothing)."""
+        return self.variant != "local"
+
+    def _load_denoiser(self, denoiser: str | Path | None) -> tuple[Denoiser | None, DenoiserCard | None]:
         if denoiser is None:
             return None, None
         if denoiser == "default":
@@ -89,13 +121,13 @@ class SnDEncoder:
         return load_denoiser(denoiser, model=self.model)
 
     # --- the three steps ------------------------------------------------------------------------
-    def privatize(self, texts: Sequence[str], *, truncation: str | None = None) -> PrivateBatch:
+    def privatize(self, texts: Sequence[str] | Tokens, *, truncation: TruncationPolicy | None = None,
+                  generator: torch.Generator | None = None) -> PrivateBatch:
         """Client: tokenize, embed, noise, clip."""
-        return self.privatizer.privatize(texts, truncation=truncation or self.truncation)
+        return self.privatizer.privatize(texts, truncation=truncation or self.truncation, generator=generator)
 
     def server_encode(self, private: PrivateBatch) -> torch.Tensor:
         """Server: sees X~ and the mask only (in-process here; over HTTP in ``privlm.snd.Client``)."""
-        self.last_report.server_calls += 1
         return self._server(private.noisy, private.attention_mask).to(private.noisy.device)
 
     @torch.inference_mode()
@@ -107,41 +139,50 @@ class SnDEncoder:
         out = self.denoiser(e_n, private.noisy, private.noise, private.attention_mask, eta)
         return torch.nn.functional.normalize(out, dim=-1) if self.model.normalize else out
 
-    @torch.inference_mode()
-    def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
-        private = self.privatize(texts, truncation="count")  # encode() has already reported truncation
-        self._count(private)
-        if self.variant == "local":  # the local-only model never needs the server
-            e_n = torch.zeros(len(texts), self.model.hidden_size, device=self.model.device)
-        else:
-            e_n = self.server_encode(private)
-        return self.denoise(private, e_n).float().cpu().numpy()
-
+    # --- one call -----------------------------------------------------------------------------------
     def encode(self, texts: Sequence[str], *, batch_size: int | None = None) -> np.ndarray:
         """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
-        texts = self.prepare(texts)
-        return map_in_length_order(texts, self.encode_batch, batch_size=batch_size or self.batch_size)
+        return self.encode_with_report(texts, batch_size=batch_size).vectors
 
-    def prepare(self, texts: Sequence[str]) -> list[str]:
-        """Check every text before any work; warn about (or refuse) over-long ones; reset the report."""
-        texts = list(texts) if not isinstance(texts, str) else texts
-        self.last_report = EncodeReport()
-        check_texts(texts)
-        long = [i for i, n in enumerate(self.model.token_counts(texts)) if n > self.model.max_length]
+    def encode_with_report(self, texts: Sequence[str] | Tokens, *, batch_size: int | None = None,
+                           principal: str = LOCAL_PRINCIPAL) -> Encoded:
+        """The embeddings and this call's report; ``texts`` may come tokenized already (``model.tokens``)."""
+        call = self.begin(texts, batch_size=batch_size, principal=principal)
+        out = np.empty((len(call.tokens), self.model.hidden_size), dtype=np.float32)
+        with torch.inference_mode():
+            for indices in call.batches:
+                private = self.privatize(call.tokens.subset(indices), generator=call.generator)
+                out[indices] = self.denoise(private, self._release(call, private)).float().cpu().numpy()
+        return Encoded(out, call.report)
+
+    def begin(self, texts: Sequence[str] | Tokens, *, batch_size: int | None = None,
+              principal: str = LOCAL_PRINCIPAL) -> EncodeCall:
+        """Check and tokenize every text once, warn about (or refuse) over-long ones, spend the release."""
+        tokens = texts if isinstance(texts, Tokens) else self.model.tokens(texts)
+        long = tokens.longer_than(self.model.max_length)
         if long:
-            message = (f"{len(long)} of {len(texts)} texts are longer than max_length={self.model.max_length} "
+            message = (f"{len(long)} of {len(tokens)} texts are longer than max_length={self.model.max_length} "
                        f"tokens (indices {long[:10]}{'...' if len(long) > 10 else ''})")
             if self.truncation == "error":
                 raise ValueError(message + "; pass truncation='warn' to truncate them")
             warnings.warn(message + "; they were truncated", stacklevel=3)
-        self.last_report.truncated_indices = long
-        return texts
+        lengths = [min(n, self.model.max_length) for n in tokens.counts]
+        report = EncodeReport(texts=len(tokens), tokens=sum(lengths), truncated=len(long), truncated_indices=long)
+        if self.ledger is not None and self.needs_server:
+            report.receipt = self.ledger.spend(principal, self.privatizer.spend(lengths), note="snd encode")
+        batches = list(length_sorted_batches(tokens.texts, batch_size or self.batch_size))
+        generator = self.privatizer.generator or make_generator(device=self.model.device)
+        return EncodeCall(tokens=tokens, batches=batches, generator=generator, report=report)
 
-    def _count(self, private: PrivateBatch) -> None:
-        report = self.last_report
-        report.texts += len(private.batch.truncated)
-        report.tokens += int(private.attention_mask.sum())
-        report.truncated += private.batch.n_truncated
+    def _release(self, call: EncodeCall, private: PrivateBatch) -> torch.Tensor:
+        if not self.needs_server:
+            return self.no_server_answer(private)
+        call.report.server_calls += 1
+        return self.server_encode(private)
+
+    def no_server_answer(self, private: PrivateBatch) -> torch.Tensor:
+        """What the local-only model puts where e_n would be: zeros (its denoiser ignores them)."""
+        return torch.zeros(len(private.noisy), self.model.hidden_size, device=self.model.device)
 
 
 class PlainEncoder:

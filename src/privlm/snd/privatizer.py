@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm.mechanisms import DChiLaplace, clip_with_effective_noise, make_generator
-from privlm.models import TokenBatch, TokenEmbedder
+from privlm.mechanisms import DChiLaplace, NoiseSampler, PrivacyUnit, Spend, clip_with_effective_noise, make_generator
+from privlm.models import TokenBatch, TokenEmbedder, Tokens, TruncationPolicy
 
 
 @dataclass
@@ -21,7 +21,7 @@ class PrivateBatch:
     clean: torch.Tensor  # X (B, n, d): client only
     noisy: torch.Tensor  # X~ (B, n, d): sent to the server
     noise: torch.Tensor  # Z~ = X~ - X (B, n, d): client only
-    eta: float
+    eta: float | torch.Tensor
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -29,23 +29,36 @@ class PrivateBatch:
 
 
 class SnDPrivatizer:
-    """X -> X~ = clip(X + Z, C) with Z ~ d_chi Laplace(eta); C = the vocabulary's max row norm."""
+    """X -> X~ = clip(X + Z, C) with Z ~ d_chi Laplace(eta); C = the vocabulary's max row norm.
 
-    def __init__(self, model: TokenEmbedder, *, eta: float, clip: bool = True, sampler: str = "gamma",
-                 generator: torch.Generator | None = None) -> None:
+    ``eta`` is one level, or a tensor of one level per sentence. ``generator``: a stream shared by every
+    call (for a reproducible run); None draws each call from a fresh OS-seeded generator, so concurrent
+    calls share no state.
+    """
+
+    def __init__(self, model: TokenEmbedder, *, eta: float | torch.Tensor, clip: bool = True,
+                 sampler: NoiseSampler = "gamma", generator: torch.Generator | None = None) -> None:
         self.model = model
-        self.mechanism = DChiLaplace(eta=eta, sampler=sampler)
+        self.mechanism = DChiLaplace(eta=eta.reshape(-1, 1) if isinstance(eta, torch.Tensor) else eta,
+                                     sampler=sampler)
         self.clip = clip
-        self.generator = generator or make_generator(device=model.device)
+        self.generator = generator
 
     @property
-    def eta(self) -> float:
+    def eta(self) -> float | torch.Tensor:
         return self.mechanism.eta
 
-    def privatize_embeddings(self, clean: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
+    def spend(self, lengths: Sequence[int]) -> Spend:
+        """What releasing sentences of these token lengths costs: eta per token row (special tokens
+        included; padding is never released)."""
+        eta = self.eta.detach().cpu().double().reshape(-1) if isinstance(self.eta, torch.Tensor) else self.eta
+        return Spend(PrivacyUnit.ETA_TOKEN, float((torch.tensor(lengths, dtype=torch.float64) * eta).sum()))
+
+    def privatize_embeddings(self, clean: torch.Tensor, attention_mask: torch.Tensor, *,
+                             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(X~, Z~) for token embeddings X; padding positions stay zero noise (the mask hides them)."""
-        noisy = self.mechanism.randomise(clean, generator=self.generator)
+        generator = generator or self.generator or make_generator(device=clean.device)
+        noisy = self.mechanism.sample(clean, generator=generator)
         if self.clip:
             noisy, noise = clip_with_effective_noise(clean, noisy, max_norm=self.model.max_embedding_norm)
         else:
@@ -54,8 +67,10 @@ class SnDPrivatizer:
         return clean + noise * keep, noise * keep
 
     @torch.inference_mode()
-    def privatize(self, texts: Sequence[str], *, truncation: str = "warn") -> PrivateBatch:
-        batch = self.model.tokenize(texts, truncation=truncation)
+    def privatize(self, texts: Sequence[str] | Tokens, *, truncation: TruncationPolicy = "warn",
+                  generator: torch.Generator | None = None) -> PrivateBatch:
+        batch = (self.model.pad(texts) if isinstance(texts, Tokens)
+                 else self.model.tokenize(texts, truncation=truncation))
         clean = self.model.embed_tokens(batch.input_ids)
-        noisy, noise = self.privatize_embeddings(clean, batch.attention_mask)
+        noisy, noise = self.privatize_embeddings(clean, batch.attention_mask, generator=generator)
         return PrivateBatch(batch=batch, clean=clean, noisy=noisy, noise=noise, eta=self.eta)

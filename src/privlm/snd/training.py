@@ -23,12 +23,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file, save_file
 
-from privlm.eval.provenance import provenance
-from privlm.mechanisms import clip_with_effective_noise, make_generator, sample_dchi_noise
+from privlm.mechanisms import make_generator
 from privlm.models import SplitModel
 from privlm.models.batching import length_sorted_batches
-from privlm.snd.artefacts import base_model_card, save_denoiser
-from privlm.snd.denoiser import Denoiser, DenoiserConfig
+from privlm.provenance import provenance
+from privlm.snd.artefacts import base_model_facts, save_denoiser
+from privlm.snd.card import DenoiserCard, TrainingData, TrainingRecord, ValidationFigures
+from privlm.snd.denoiser import Denoiser, DenoiserConfig, Variant
+from privlm.snd.privatizer import SnDPrivatizer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class TrainingConfig:
     eta_max: float = 200.0
     etas: tuple[float, ...] = ()  # discrete training etas (one model per eta group); empty: log-uniform range
     clip: bool = True
-    variant: str = "snd"
+    variant: Variant = "snd"
     max_tokens: int = 64
     batch_size: int = 32
     learning_rate: float = 3e-4
@@ -67,25 +69,13 @@ class TrainingState:
 
 
 def sample_etas(config: TrainingConfig, n: int, generator: torch.Generator) -> torch.Tensor:
-    """Training etas: drawn from ``etas`` uniformly, or log-uniform on [eta_min, eta_max]."""
+    """Training etas, on the generator's device: drawn from ``etas`` uniformly, or log-uniform on [eta_min, eta_max]."""
+    device = generator.device
     if config.etas:
-        choices = torch.tensor(config.etas, dtype=torch.float32)
-        return choices[torch.randint(len(choices), (n,), generator=generator)]
-    u = torch.rand(n, generator=generator)
+        choices = torch.tensor(config.etas, dtype=torch.float32, device=device)
+        return choices[torch.randint(len(choices), (n,), generator=generator, device=device)]
+    u = torch.rand(n, generator=generator, device=device)
     return torch.exp(math.log(config.eta_min) + u * (math.log(config.eta_max) - math.log(config.eta_min)))
-
-
-def privatize_rows(model: SplitModel, clean: torch.Tensor, mask: torch.Tensor, eta: torch.Tensor, *, clip: bool,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """X~, Z~ with one eta per sentence: Gamma(d, 1/eta) = Gamma(d, 1) / eta, so unit-eta noise is rescaled."""
-    unit = sample_dchi_noise(clean.shape, eta=1.0, generator=generator, device=clean.device, dtype=clean.dtype)
-    noisy = clean + unit / eta.to(clean).view(-1, 1, 1)
-    if clip:
-        noisy, noise = clip_with_effective_noise(clean, noisy, max_norm=model.max_embedding_norm)
-    else:
-        noise = noisy - clean
-    keep = mask.unsqueeze(-1).to(clean.dtype)
-    return clean + noise * keep, noise * keep
 
 
 def loss_terms(denoised: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +95,9 @@ class DenoiserTrainer:
         self.denoiser = Denoiser(DenoiserConfig.for_model(model.hidden_size, **overrides)).to(model.device)
         self.optimiser = torch.optim.AdamW(self.denoiser.parameters(), lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
-        self.generator = make_generator(config.seed)
+        self.generator = make_generator(config.seed, device=model.device)  # noise is drawn where the model runs
         self.state = TrainingState()
-        self.permutation = torch.randperm(len(self.train_texts), generator=self.generator)
+        self.permutation = self._shuffle()
 
     # --- data ---------------------------------------------------------------------------------
     def _prepare_texts(self, texts: Sequence[str]) -> tuple[list[str], list[str], int]:
@@ -131,8 +121,8 @@ class DenoiserTrainer:
         with torch.inference_mode():
             batch = self.model.tokenize(texts, max_length=self.config.max_tokens)
             clean = self.model.embed_tokens(batch.input_ids)
-            noisy, noise = privatize_rows(self.model, clean, batch.attention_mask, eta, clip=self.config.clip,
-                                          generator=generator)
+            privatizer = SnDPrivatizer(self.model, eta=eta.to(clean), clip=self.config.clip)  # one eta per sentence
+            noisy, noise = privatizer.privatize_embeddings(clean, batch.attention_mask, generator=generator)
             e_n = self.model.encode(noisy, batch.attention_mask)
         # Inference tensors cannot enter autograd; clones can.
         mask = batch.attention_mask.clone()
@@ -141,7 +131,7 @@ class DenoiserTrainer:
     # --- loop -----------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """Fixed noise (seeded) and etas spread over the training range: comparable across calls."""
-        generator = make_generator(self.config.seed + 1)
+        generator = make_generator(self.config.seed + 1, device=self.model.device)
         self.denoiser.eval()
         sq, cos, base_sq, base_cos = [], [], [], []
         for indices in length_sorted_batches(self.val_texts, 128):
@@ -152,7 +142,10 @@ class DenoiserTrainer:
                 denoised = self.denoiser(e_n, noisy, noise, mask, eta)
             s, c = loss_terms(denoised, target)
             bs, bc = loss_terms(e_n, target)
-            sq.append(s), cos.append(c), base_sq.append(bs), base_cos.append(bc)
+            sq.append(s)
+            cos.append(c)
+            base_sq.append(bs)
+            base_cos.append(bc)
         self.denoiser.train()
         d = self.model.hidden_size
         sq_t, cos_t = torch.cat(sq), torch.cat(cos)
@@ -160,17 +153,20 @@ class DenoiserTrainer:
         return {"loss": loss, "mse": sq_t.mean().item() / d, "cosine": cos_t.mean().item(),
                 "noisy_mse": torch.cat(base_sq).mean().item() / d, "noisy_cosine": torch.cat(base_cos).mean().item()}
 
+    def _shuffle(self) -> torch.Tensor:
+        return torch.randperm(len(self.train_texts), generator=self.generator, device=self.generator.device).cpu()
+
     def _next_indices(self) -> torch.Tensor:
         size = self.config.batch_size
         if self.state.position + size > len(self.permutation):
             self.state.epoch += 1
             self.state.position = 0
-            self.permutation = torch.randperm(len(self.train_texts), generator=self.generator)
+            self.permutation = self._shuffle()
         indices = self.permutation[self.state.position:self.state.position + size]
         self.state.position += size
         return indices
 
-    def train(self, *, resume: bool = False) -> dict[str, object]:
+    def train(self, *, resume: bool = False) -> DenoiserCard:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with self.console.status("Encoding clean targets e_c = G(X) once..."):
             self.train_targets = self._targets(self.train_texts)
@@ -271,21 +267,22 @@ class DenoiserTrainer:
         self.permutation = tensors["data.permutation"]
         self.state = TrainingState(**meta["state"])
 
-    def _finish(self) -> dict[str, object]:
+    def _finish(self) -> DenoiserCard:
         self.denoiser.load_state_dict(load_file(str(self.out_dir / "best.safetensors")))
         best = min(self.state.history, key=lambda h: h["loss"])
-        card = {
-            "base_model": base_model_card(self.model),
-            "eta_range": [self.denoiser.config.eta_min, self.denoiser.config.eta_max],
-            "training": {"etas": list(self.config.etas) or "log-uniform over eta_range", "clip": self.config.clip,
-                         "steps": self.state.step, "best_step": self.state.best_step, "epochs": self.state.epoch,
-                         "wall_seconds": round(self.state.seconds, 1), "settings": asdict(self.config)},
-            "training_data": {"sources": self.sources, "n_train": len(self.train_texts),
-                              "n_validation": len(self.val_texts), "excluded_longer_than_max_tokens":
-                              self.excluded_long},
-            "validation": {k: best[k] for k in ("mse", "cosine", "noisy_mse", "noisy_cosine")},
-            "provenance": provenance(seed=self.config.seed),
-            "history": self.state.history,
-        }
+        card = DenoiserCard(
+            config=self.denoiser.config,
+            base_model=base_model_facts(self.model),
+            training=TrainingRecord(etas=list(self.config.etas) or "log-uniform over eta_range", clip=self.config.clip,
+                                    steps=self.state.step, best_step=self.state.best_step, epochs=self.state.epoch,
+                                    wall_seconds=round(self.state.seconds, 1),
+                                    settings=json.loads(json.dumps(asdict(self.config)))),  # as the JSON holds them
+            training_data=TrainingData(sources=self.sources, n_train=len(self.train_texts),
+                                       n_validation=len(self.val_texts),
+                                       excluded_longer_than_max_tokens=self.excluded_long),
+            validation=ValidationFigures(**{k: best[k] for k in ("mse", "cosine", "noisy_mse", "noisy_cosine")}),
+            provenance=provenance(seed=self.config.seed),
+            history=self.state.history,
+        )
         save_denoiser(self.denoiser.eval(), self.out_dir, card)
         return card

@@ -129,7 +129,8 @@ class Splits:
 
 
 def _check_fraction(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not 0 <= value < 1:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) \
+            or not 0 <= float(value) < 1:
         raise ValueError(f"{name} must be a finite number in [0, 1), got {value!r}")
     return float(value)
 
@@ -226,7 +227,7 @@ def _finish(
     report["filtered"]["limit"] = len(rows) - len(order)
     picked = [rows[i] for i in order.tolist()]
     pairs = [r[1] for r in picked] if task.is_pair else None
-    data = TextDataset(task, [r[0] for r in picked], labels[order], pairs, report)  # type: ignore[arg-type]
+    data = TextDataset(task, [r[0] for r in picked], labels[order], pairs, report)
     skipped, filtered = (+report.pop(k) for k in ("skipped", "filtered"))  # +Counter drops zero counts
     report.update(kept=len(data), skipped=dict(skipped), filtered=dict(filtered), label_counts=data.label_counts())
     logger.info(

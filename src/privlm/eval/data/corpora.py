@@ -90,10 +90,10 @@ def _parse_tweets(path: str) -> tuple[tuple[tuple[str, str, float], ...], dict[s
         for record in reader:
             report["rows_read"] += 1
             reason, row = _tweet_row(record, header)
-            if reason:
-                report["skipped"][reason] += 1
+            if row is None:
+                report["skipped"][str(reason)] += 1
             else:
-                rows.append(row)  # type: ignore[arg-type]
+                rows.append(row)
     return tuple(_dedupe(rows, report)), report
 
 
@@ -172,7 +172,9 @@ def _parse_wordnet(root: str) -> tuple[tuple[str, int, str, tuple[str, ...], boo
 @functools.lru_cache(maxsize=8)
 def _wordnet_texts(root: str, part: str) -> tuple[tuple[tuple[str, str, str], ...], dict[str, int], int]:
     """Cleaned (text, pos, lexname) candidates, the skipped counts, and how many were read."""
-    rows, skipped, read = [], Counter(), 0
+    rows: list[tuple[str, str, str]] = []
+    skipped: Counter[str] = Counter()
+    read = 0
     for pos, lexnum, definition, examples, unparsed in _parse_wordnet(root):
         if part == "examples" and unparsed:  # e.g. an example with no closing quote
             read += 1

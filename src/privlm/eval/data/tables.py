@@ -38,10 +38,9 @@ def _read_records(
             records = [_json_record(line) for line in handle if line.strip()]
             columns = list(dict.fromkeys(k for r in records if r is not None for k in r))
             return columns, records
-        dialect = {"delimiter": "\t" if fmt == "tsv" else ","}
-        if quoting == "none":
-            dialect |= {"quoting": csv.QUOTE_NONE, "escapechar": None}
-        reader = csv.reader(handle, **dialect)  # type: ignore[arg-type]
+        delimiter = "\t" if fmt == "tsv" else ","
+        reader = (csv.reader(handle, delimiter=delimiter, quoting=csv.QUOTE_NONE, escapechar=None)
+                  if quoting == "none" else csv.reader(handle, delimiter=delimiter))
         columns = list(header) if header is not None else [c.strip() for c in next(reader, [])]
         rows = (row for row in reader if row)  # a blank line is not a row; a row of empty cells is
         return columns, [dict(zip(columns, row, strict=True)) if len(row) == len(columns) else None for row in rows]

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,74 +30,62 @@ import torch
 from privlm.attacks import attribute_inference, mutual_information, nearest_neighbour_inversion, undo_clip_scale
 from privlm.baselines import Text2Text, TokEmbPriv
 from privlm.baselines.common import text_positions
-from privlm.eval.bench import Point, Sweep
-from privlm.eval.data import Splits, named_task, public_corpus, split_dataset
-from privlm.eval.probes import embedding_agreement, evaluate_probe
-from privlm.mechanisms import make_generator, sample_dchi_noise
-from privlm.models import SplitModel
-from privlm.snd.artefacts import default_denoiser_dir, read_card
+from privlm.eval.bench import NON_PRIVATE, Method, Point, Sweep
+from privlm.eval.data import public_corpus
+from privlm.eval.registry import SweepEntry, register
+from privlm.eval.sweeps.base import SPLITS, EmbeddingSetting, EmbeddingSweep
+from privlm.eval.sweeps.baselines import TEXT2TEXT, TOKEMBPRIV
+from privlm.mechanisms import sample_dchi_noise
+from privlm.snd import PlainEncoder, SnDEncoder, SnDPrivatizer, default_denoiser_dir, read_card
 from privlm.snd.calibration import calibrate_eta, sample_text_tokens
-from privlm.snd.encoder import PlainEncoder, SnDEncoder
-from privlm.snd.privatizer import SnDPrivatizer
 
-SPLITS = ("train", "validation", "test")
 CALIBRATION_GRID = tuple(float(x) for x in np.geomspace(10, 300, 16).round(2))
 TARGET_RATES = (0.5, 0.1, 0.01, 0.001)
+# Methods that release clipped X~ through SnDEncoder share one noise stream per (eta, task).
+SHARED = "clipped release"
+SND = Method("snd", "SnD", SHARED)
+ABLATION_BUDGET = Method("snd-ablation-budget", "SnD, ablation budget", SHARED)
+NO_CLIP = Method("snd-no-clip", "SnD, no clip")
+SERVER_SIDE = Method("server-side", "server-side denoiser", SHARED)
+LOCAL_ONLY = Method("local-only", "local-only model", SHARED)
+NO_RESIDUAL = Method("snd-no-residual", "SnD, no e_n residual", SHARED)
+QUERY_READOUT = Method("snd-query-readout", "SnD, query readout", SHARED)
+ETA_GROUPS = Method("snd-eta-groups", "SnD, one denoiser per eta group", SHARED)
 # Optional ablation denoisers, sub-folders of --denoisers, all trained at one budget (see
 # benchmarks/snd/train_denoisers.sh); snd/ there is SnD at that same budget, for a fair comparison.
-ABLATIONS = {"SnD, ablation budget": "snd", "SnD, no clip": "noclip", "server-side denoiser": "server",
-             "local-only model": "local", "SnD, no e_n residual": "noresidual",
-             "SnD, query readout": "query"}
-GROUPS = "SnD, one denoiser per eta group"
-# Methods that release clipped X~ through SnDEncoder: they share one noise draw per (eta, task).
-SHARED_CLIPPED_RELEASE = frozenset({"SnD", "SnD, ablation budget", "server-side denoiser", "local-only model",
-                                    "SnD, no e_n residual", "SnD, query readout", GROUPS})
+ABLATIONS = {ABLATION_BUDGET: "snd", NO_CLIP: "noclip", SERVER_SIDE: "server", LOCAL_ONLY: "local",
+             NO_RESIDUAL: "noresidual", QUERY_READOUT: "query"}
+METHODS = (SND, TOKEMBPRIV, TEXT2TEXT, *ABLATIONS, ETA_GROUPS)
 
 
-def resolve_method_names(parts: Sequence[str], available: Sequence[str]) -> list[str]:
-    """Comma-split pieces back into method names, longest match first ("SnD, no clip" is one name)."""
-    pieces, names, i = [p.strip() for p in parts if p.strip()], [], 0
-    while i < len(pieces):
-        for j in range(len(pieces), i, -1):
-            if ", ".join(pieces[i:j]) in available:
-                names.append(", ".join(pieces[i:j]))
-                i = j
-                break
-        else:
-            raise ValueError(f"method {pieces[i]!r} is not available; available: {sorted(available)}")
-    return names
+def _claims(out_dir: Path) -> list[Path]:
+    from privlm.eval.sweeps.snd_claims import write_claims  # it reads this module's method keys
+
+    return [write_claims(out_dir)]
 
 
-@dataclass
-class SnDSetting:
-    model: str = "minilm"
+register(SweepEntry("snd", METHODS, extra_reports=_claims))
+Release = Literal["clean", "text2text", "unclipped", "clipped"]  # what the server receives, for the attacks
+EncoderFactory = Callable[[float, torch.Generator], SnDEncoder | TokEmbPriv | Text2Text]
+
+
+@dataclass(kw_only=True)
+class SnDSetting(EmbeddingSetting):
     tasks: tuple[str, ...] = ("tweets-binary", "fortunes")
-    n_train: int = 2000
-    n_validation: int = 500
-    n_test: int = 1000
     attack_sentences: int = 200
     calibration_tokens: int = 20_000
-    probe: str = "mlp"
-    seed: int = 0
-    device: str = "auto"
     denoisers: str = ""  # folder with the ablation denoisers (noclip/, server/, local/, groups/*)
     etas: tuple[float, ...] = ()  # empty: calibrate
-    methods: tuple[str, ...] = ()  # empty: all available
+    methods: tuple[str, ...] = ()  # method keys; empty: all available
     calibration: dict[str, object] = field(default_factory=dict)
 
 
-class SnDSweep:
+class SnDSweep(EmbeddingSweep):
     def __init__(self, setting: SnDSetting) -> None:
-        self.setting = setting
-        self.model = SplitModel.from_pretrained(setting.model, device=setting.device)
-        self.splits: dict[str, Splits] = {}
-        self.clean: dict[str, dict[str, np.ndarray]] = {}
-        for task in setting.tasks:
-            self.splits[task] = split_dataset(named_task(task), seed=setting.seed).head(
-                train=setting.n_train, validation=setting.n_validation, test=setting.n_test)
-            self.clean[task] = {s: self.model.encode_texts(self._texts(task, s)).numpy() for s in SPLITS}
+        super().__init__(setting)
+        self.setting: SnDSetting = setting
         self.encoders = self._available_methods()
-        self._privacy_cache: dict[tuple[str, float, str], dict[str, float]] = {}
+        self._privacy_cache: dict[tuple[Release, float, str], dict[str, float]] = {}
         self._server_outputs: dict[str, torch.Tensor] = {}
 
     # --- levels -------------------------------------------------------------------------------
@@ -112,27 +100,32 @@ class SnDSweep:
         return [round(v, 1) for v in calibration.targets.values() if math.isfinite(v)]
 
     # --- methods --------------------------------------------------------------------------------
-    def _available_methods(self) -> dict[str, Callable[[float, torch.Generator], object]]:
+    def _available_methods(self) -> dict[Method, EncoderFactory]:
         root = Path(self.setting.denoisers) if self.setting.denoisers else None
-        methods: dict[str, Callable[[float, torch.Generator], object]] = {}
+        methods: dict[Method, EncoderFactory] = {}
         if (default_denoiser_dir(self.setting.model) / "denoiser.json").exists():
-            methods["SnD"] = self._with_denoiser("default")
-        methods["TokEmbPriv"] = lambda eta, g: TokEmbPriv(self.model, eta=eta, generator=g)
-        methods["Text2Text"] = lambda eta, g: Text2Text(self.model, eta=eta, generator=g)
+            methods[SND] = self._with_denoiser("default")
+        methods[TOKEMBPRIV] = lambda eta, g: TokEmbPriv(self.model, eta=eta, generator=g)
+        methods[TEXT2TEXT] = lambda eta, g: Text2Text(self.model, eta=eta, generator=g)
         if root is not None:
-            for name, folder in ABLATIONS.items():
+            for method, folder in ABLATIONS.items():
                 if (root / folder / "denoiser.json").exists():
-                    methods[name] = self._with_denoiser(root / folder)
+                    methods[method] = self._with_denoiser(root / folder)
             groups = sorted(p.parent for p in (root / "groups").glob("*/denoiser.json"))
             if groups:
-                methods[GROUPS] = lambda eta, g: SnDEncoder(self.model, eta=eta, generator=g,
-                                                            denoiser=self._group_for(groups, eta),
-                                                            server=self._memoised_server)
+                methods[ETA_GROUPS] = lambda eta, g: SnDEncoder(self.model, eta=eta, generator=g,
+                                                                denoiser=self._group_for(groups, eta),
+                                                                server=self._memoised_server)
         if self.setting.methods:
-            methods = {m: methods[m] for m in resolve_method_names(self.setting.methods, list(methods))}
+            by_key = {m.key: m for m in methods}
+            unknown = [k for k in self.setting.methods if k not in by_key]
+            if unknown:
+                raise ValueError(f"methods {unknown} are not available; available: "
+                                 + ", ".join(f"{m.key} ({m.label})" for m in methods))
+            methods = {by_key[k]: methods[by_key[k]] for k in self.setting.methods}
         return methods
 
-    def _with_denoiser(self, folder: Path | str) -> Callable[[float, torch.Generator], SnDEncoder]:
+    def _with_denoiser(self, folder: Path | str) -> EncoderFactory:
         return lambda eta, g: SnDEncoder(self.model, eta=eta, generator=g, denoiser=folder,
                                          server=self._memoised_server)
 
@@ -151,46 +144,33 @@ class SnDSweep:
     def _group_for(groups: Sequence[Path], eta: float) -> Path:
         """The group whose training etas bracket eta, else the nearest in log-eta."""
         def distance(folder: Path) -> float:
-            low, high = read_card(folder)["eta_range"]
+            low, high = read_card(folder).eta_range
             return 0.0 if low <= eta <= high else min(abs(math.log(eta / low)), abs(math.log(eta / high)))
         return min(groups, key=distance)
 
     # --- evaluation -------------------------------------------------------------------------------
-    def _texts(self, task: str, split: str) -> list[str]:
-        return list(getattr(self.splits[task], split).texts)
-
-    def _labels(self, task: str, split: str) -> np.ndarray:
-        return np.asarray(getattr(self.splits[task], split).labels)
-
-    def _generator(self, *parts: object) -> torch.Generator:
-        key = "/".join(str(p) for p in parts)
-        return make_generator(zlib.crc32(key.encode()) ^ self.setting.seed, device=self.model.device)
-
     def evaluate(self, point: Point) -> dict[str, float]:
         task = point.task
+        encoder: PlainEncoder | SnDEncoder | TokEmbPriv | Text2Text
         if math.isinf(point.level):
-            encoder: object = PlainEncoder(self.model)
+            encoder = PlainEncoder(self.model)
         else:
-            stream = "clipped release" if point.method in SHARED_CLIPPED_RELEASE else point.method
-            encoder = self.encoders[point.method](point.level, self._generator(stream, point.level, task))
-        embeddings = {s: encoder.encode(self._texts(task, s)) for s in SPLITS}  # type: ignore[attr-defined]
-        probe = evaluate_probe(*[(embeddings[s], self._labels(task, s)) for s in SPLITS],
-                               kind=self.setting.probe, seed=self.setting.seed)
-        agreement = embedding_agreement(self.clean[task]["test"], embeddings["test"])
-        metrics = {"auc": probe.auc, "accuracy": probe.accuracy, "validation_auc": probe.validation_auc,
-                   "cosine_to_clean": agreement["cosine"], "mse_to_clean": agreement["mse"]}
-        return metrics | self._privacy(point)
+            method = next(m for m in self.encoders if m.key == point.method)
+            encoder = self.encoders[method](point.level, self.generator(method.stream, point.level, task))
+        embeddings = {s: encoder.encode(self.texts(task, s)) for s in SPLITS}
+        return self.utility(task, embeddings) | self._privacy(point)
 
     def _privacy(self, point: Point) -> dict[str, float]:
         """What the server receives, attacked. Cached per (kind of release, eta, task)."""
-        if point.method == "local-only model":
+        if point.method == LOCAL_ONLY.key:
             return {"attack_success": 0.0, "attribute_inference": math.nan, "attribute_chance": math.nan,
                     "mutual_information": 0.0, "sent_to_server": 0.0}
+        kind: Release
         if math.isinf(point.level):
             kind = "clean"
-        elif point.method == "Text2Text":
+        elif point.method == TEXT2TEXT.key:
             kind = "text2text"
-        elif point.method in ("TokEmbPriv", "SnD, no clip"):  # both send unclipped X + Z
+        elif point.method in (TOKEMBPRIV.key, NO_CLIP.key):  # both send unclipped X + Z
             kind = "unclipped"
         else:
             kind = "clipped"
@@ -200,7 +180,7 @@ class SnDSweep:
         return self._privacy_cache[key] | {"sent_to_server": 1.0}
 
     @torch.inference_mode()
-    def _release(self, kind: str, eta: float, texts: Sequence[str], generator: torch.Generator
+    def _release(self, kind: Release, eta: float, texts: Sequence[str], generator: torch.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(what the server sees as token vectors, true ids, user-text mask, attention mask)."""
         batch = self.model.tokenize(texts)
@@ -211,13 +191,13 @@ class SnDSweep:
             released = Text2Text(self.model, eta=eta, generator=generator).privatize(texts)
             return (self.model.embed_tokens(released.released_ids), batch.input_ids, released.perturbed,
                     batch.attention_mask)
-        privatizer = SnDPrivatizer(self.model, eta=eta, clip=kind == "clipped", generator=generator)
-        noisy, _ = privatizer.privatize_embeddings(clean, batch.attention_mask)
+        privatizer = SnDPrivatizer(self.model, eta=eta, clip=kind == "clipped")
+        noisy, _ = privatizer.privatize_embeddings(clean, batch.attention_mask, generator=generator)
         return noisy, batch.input_ids, text_positions(self.model, batch), batch.attention_mask
 
-    def _pooled_release(self, kind: str, eta: float, task: str, split: str) -> np.ndarray:
-        texts, rows = self._texts(task, split), []
-        generator = self._generator("attribute", kind, eta, task, split)
+    def _pooled_release(self, kind: Release, eta: float, task: str, split: str) -> np.ndarray:
+        texts, rows = self.texts(task, split), []
+        generator = self.generator("attribute", kind, eta, task, split)
         for start in range(0, len(texts), 128):
             vectors, _, _, mask = self._release(kind, eta, texts[start:start + 128], generator)
             weights = mask.unsqueeze(-1).to(vectors.dtype)
@@ -225,9 +205,9 @@ class SnDSweep:
         return np.concatenate(rows)
 
     @torch.inference_mode()
-    def _attack(self, kind: str, eta: float, task: str) -> dict[str, float]:
-        generator = self._generator("attack", kind, eta, task)
-        texts = self._texts(task, "test")[: self.setting.attack_sentences]
+    def _attack(self, kind: Release, eta: float, task: str) -> dict[str, float]:
+        generator = self.generator("attack", kind, eta, task)
+        texts = self.attack_texts(task)
         vectors, ids, user_text, _ = self._release(kind, eta, texts, generator)
         # For Text2Text the vectors are rows of released ids: the attack succeeds iff the id was kept.
         inversion = nearest_neighbour_inversion(vectors, ids, self.model.embedding_matrix, mask=user_text)
@@ -236,22 +216,22 @@ class SnDSweep:
                                         vocabulary=self.model.embedding_matrix)
             rescaled = nearest_neighbour_inversion(unclipped, ids, self.model.embedding_matrix, mask=user_text)
             inversion = max(inversion, rescaled, key=lambda r: r.rate)
-        attribute = attribute_inference(self._pooled_release(kind, eta, task, "train"), self._labels(task, "train"),
-                                        self._pooled_release(kind, eta, task, "test"), self._labels(task, "test"),
+        attribute = attribute_inference(self._pooled_release(kind, eta, task, "train"), self.labels(task, "train"),
+                                        self._pooled_release(kind, eta, task, "test"), self.labels(task, "test"),
                                         seed=self.setting.seed)
         return {"attack_success": inversion.rate, "attack_ci_low": inversion.ci_low,
                 "attack_ci_high": inversion.ci_high, "attribute_inference": attribute.rate,
                 "attribute_chance": attribute.chance if attribute.chance is not None else math.nan,
                 "mutual_information": self._mutual_information(kind, eta, ids[user_text])}
 
-    def _mutual_information(self, kind: str, eta: float, token_ids: torch.Tensor) -> float:
+    def _mutual_information(self, kind: Release, eta: float, token_ids: torch.Tensor) -> float:
         """KL estimate of I(X; X + Z) over distinct tokens. Clipping is post-processing, so for the clipped
         release this is an upper bound (estimating on the clipped vectors breaks the estimator: they lie on
         a sphere)."""
         if kind not in ("clipped", "unclipped"):
             return math.nan
         clean = self.model.embed_tokens(token_ids)
-        noise = sample_dchi_noise(clean.shape, eta=eta, generator=self._generator("mi", eta),
+        noise = sample_dchi_noise(clean.shape, eta=eta, generator=self.generator("mi", eta),
                                   device=clean.device, dtype=clean.dtype)
         return mutual_information(clean + noise, noise, token_ids=token_ids).mean
 
@@ -268,6 +248,6 @@ def snd_sweep(setting: SnDSetting | None = None) -> Sweep:
                      "trained on train embeddings and early-stopped on validation; privacy: attacks on what the "
                      "server receives."),
         methods=list(state.encoders), levels=etas, tasks=list(setting.tasks), evaluate=state.evaluate,
-        references=[Point("non-private", math.inf, task) for task in setting.tasks],
+        references=[Point(NON_PRIVATE.key, math.inf, task) for task in setting.tasks],
         settings=setting.__dict__.copy(),
     )

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from privlm.eval.data import named_task, split_dataset
-from privlm.eval.provenance import provenance
 from privlm.models import SplitModel
+from privlm.provenance import provenance
 from privlm.snd.cost import client_timing, peak_memory_mb, wire_bytes
 
 N_SENTENCES = 256
@@ -22,18 +22,18 @@ def write_cost_report(out_dir: Path, *, model: str = "minilm", seed: int = 0, de
     split_model = SplitModel.from_pretrained(model, device=device)
     test = split_dataset(named_task("tweets-binary"), seed=seed).test
     texts = list(test.subset(np.arange(N_SENTENCES)).texts)
-    figures: dict[str, object] = {"sentences": len(texts), "eta": ETA, "batch_size": 32}
+    figures: dict[str, float] = {"sentences": len(texts), "eta": ETA, "batch_size": 32}
     figures |= client_timing(split_model, texts, eta=ETA, denoiser=denoiser)
     figures |= wire_bytes(split_model.token_counts(texts), split_model.hidden_size)
     for role in ("baseline", "client", "full"):
         figures[f"peak_rss_mb_{role}"] = peak_memory_mb(role, model=model, denoiser=denoiser, texts=texts[:32],
                                                         eta=ETA)
-    payload = {"metadata": provenance(seed=seed), "figures": figures}
-    (out_dir / "cost.json").write_text(json.dumps(payload, indent=2) + "\n")
+    meta = provenance(seed=seed)
+    (out_dir / "cost.json").write_text(json.dumps({"metadata": meta, "figures": figures}, indent=2) + "\n")
     f = figures
     lines = [
-        "# SnD client cost", "", f"- command: `{payload['metadata']['command']}`",
-        f"- git commit: `{payload['metadata']['git_commit']}`", f"- machine: {payload['metadata']['machine']}",
+        "# SnD client cost", "", f"- command: `{meta['command']}`",
+        f"- git commit: `{meta['git_commit']}`", f"- machine: {meta['machine']}",
         f"- {f['sentences']} test tweets, batch 32, eta = {ETA:g}, median of 3 runs", "",
         "| quantity | value |", "|---|---|",
         f"| client privatize (tokenize + embed + noise + clip), ms/sentence | {1e3 * f['client_privatize_s']:.3f} |",

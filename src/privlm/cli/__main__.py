@@ -1,0 +1,5 @@
+"""``python -m privlm.cli``: what background processes run."""
+
+from privlm.cli import app
+
+app()

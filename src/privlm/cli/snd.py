@@ -1,0 +1,237 @@
+"""SnD's commands: ``privlm snd train``, ``privlm serve``, ``privlm gateway``, ``privlm bench snd`` and
+``privlm bench serve``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from privlm.cli.app import app, bench_app, console, parse_levels, parse_list
+
+snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
+app.add_typer(snd_app, name="snd")
+
+
+@bench_app.command("snd")
+def bench_snd(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/snd"),
+    denoisers: Annotated[str, typer.Option(help="Folder with ablation denoisers: noclip/, server/, local/, "
+                                                "groups/<name>/ (each from `privlm snd train`).")] = "",
+    etas: Annotated[str, typer.Option(help="Comma-separated etas; empty: calibrate to inversion rates "
+                                           "50%, 10%, 1%, 0.1%.")] = "",
+    tasks: Annotated[str, typer.Option(help="Comma-separated task names.")] = "tweets-binary,fortunes",
+    methods: Annotated[str, typer.Option(help="Comma-separated method keys (snd, tokembpriv, text2text, "
+                                              "snd-ablation-budget, snd-no-clip, server-side, local-only, "
+                                              "snd-no-residual, snd-query-readout, snd-eta-groups); empty: all "
+                                              "available.")] = "",
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    n_train: Annotated[int, typer.Option()] = 2000,
+    n_validation: Annotated[int, typer.Option()] = 500,
+    n_test: Annotated[int, typer.Option()] = 1000,
+    attack_sentences: Annotated[int, typer.Option()] = 200,
+    probe: Annotated[str, typer.Option(help="mlp (SnD paper) or logistic.")] = "mlp",
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    cost: Annotated[bool, typer.Option("--cost", help="Measure client time, bytes and memory instead.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the points an interrupted run finished.")] = False,
+) -> None:
+    """SnD vs baselines and ablations at calibrated etas: utility, attacks, privacy-utility plots."""
+    from privlm._validation import check_choice
+    from privlm.eval.bench import run_sweep
+    from privlm.eval.probes import PROBE_KINDS
+    from privlm.eval.registry import sweep_entry
+    from privlm.eval.sweeps.snd import SnDSetting, snd_sweep
+
+    if cost:
+        from privlm.eval.sweeps.snd_cost import write_cost_report
+
+        with console.status("Measuring client time, bytes on the wire and peak memory..."):
+            files = write_cost_report(out, model=model, seed=seed, device=device)
+        console.print((out / "cost.md").read_text())
+        console.print(f"Wrote {', '.join(str(f) for f in files)}")
+        return
+
+    setting = SnDSetting(model=model, tasks=parse_list(tasks), n_train=n_train, n_validation=n_validation,
+                         n_test=n_test, attack_sentences=attack_sentences,
+                         probe=check_choice("probe", probe, PROBE_KINDS), seed=seed, device=device,
+                         denoisers=denoisers, etas=tuple(parse_levels(etas)) if etas else (),
+                         methods=parse_list(methods))
+    with console.status("Loading, encoding the clean splits and calibrating eta..."):
+        try:
+            sweep = snd_sweep(setting)
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from None
+    console.print(f"Levels: {sweep.levels}; methods: {[m.key for m in sweep.methods]}")
+    report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
+    extra = sweep_entry("snd").extra_reports(out)
+    console.print((out / "results.md").read_text())
+    for file in extra:
+        console.print(file.read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in [*report.files, *extra])}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/serve"),
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    seed: Annotated[int, typer.Option()] = 0,
+    requests: Annotated[int, typer.Option(help="Requests per client (8 sentences each); fewer for a short run.")
+                        ] = 24,
+) -> None:
+    """Throughput and p50/p99 latency at 1, 8 and 32 clients, of the server alone and through the gateway
+    (openai clients); a server restart mid-run."""
+    from privlm.eval.sweeps.serve_load import write_serve_report
+
+    if requests < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--requests")
+    with console.status("Starting the server and the gateway, loading them with 1, 8 and 32 clients..."):
+        files = write_serve_report(out, model=model, seed=seed, requests_per_client=requests)
+    console.print((out / "serve.md").read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+
+
+@snd_app.command("train")
+def snd_train(
+    out: Annotated[Path, typer.Option(help="Output folder (weights, card, checkpoints).")] = Path("runs/denoiser"),
+    model: Annotated[str, typer.Option(help="Base model name or path.")] = "minilm",
+    sources: Annotated[str, typer.Option(help="Public corpus sources, comma-separated "
+                                              "(wordnet, fortunes, tweets).")] = "wordnet",
+    max_texts: Annotated[int, typer.Option(help="Texts drawn from the corpus.")] = 60_000,
+    eta_min: Annotated[float, typer.Option(help="Smallest training eta (eta-conditioned model).")] = 10.0,
+    eta_max: Annotated[float, typer.Option(help="Largest training eta (eta-conditioned model).")] = 200.0,
+    etas: Annotated[str, typer.Option(help="Train on these etas only (one model per eta group), "
+                                           "comma-separated; overrides the range.")] = "",
+    variant: Annotated[str, typer.Option(help="snd, server (sees e_n and X~ only) or local (e_n zeroed).")] = "snd",
+    clip: Annotated[bool, typer.Option(help="Clip noisy embeddings to the vocabulary's max norm.")] = True,
+    minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 40.0,
+    max_steps: Annotated[int, typer.Option(help="Step budget.")] = 100_000,
+    batch_size: Annotated[int, typer.Option()] = 32,
+    learning_rate: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 3e-4,
+    max_tokens: Annotated[int, typer.Option(help="Texts longer than this are left out (counted).")] = 64,
+    layout: Annotated[str, typer.Option(help="fused (X~_i and Z~_i per row; default) or sequence "
+                                             "([e_n; X~; Z~] as in the paper).")] = "fused",
+    layers: Annotated[int | None, typer.Option(help="Denoiser layers (default: sized after the paper).")] = None,
+    heads: Annotated[int | None, typer.Option(help="Denoiser attention heads.")] = None,
+    d_ff: Annotated[int | None, typer.Option(help="Denoiser feed-forward width.")] = None,
+    residual: Annotated[bool, typer.Option(help="Add the head's output to e_n (--no-residual: the paper's "
+                                                "output at position 0 alone).")] = True,
+    readout: Annotated[str, typer.Option(help="e_n (read at e_n's row, the paper) or query (an extra "
+                                              "learned row).")] = "e_n",
+    eval_every: Annotated[int, typer.Option(help="Validate and checkpoint every N steps.")] = 250,
+    patience: Annotated[int, typer.Option(help="Early stop after N evaluations without gain.")] = 6,
+    seed: Annotated[int, typer.Option()] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Train a denoiser on public text with synthetic d_chi noise."""
+    from privlm._validation import check_choice
+    from privlm.eval.data import public_corpus
+    from privlm.models import SplitModel
+    from privlm.snd.denoiser import VARIANTS
+    from privlm.snd.training import DenoiserTrainer, TrainingConfig
+
+    source_list = list(parse_list(sources))
+    config = TrainingConfig(eta_min=eta_min, eta_max=eta_max, etas=tuple(parse_levels(etas)) if etas else (),
+                            clip=clip, variant=check_choice("variant", variant, VARIANTS), max_tokens=max_tokens,
+                            batch_size=batch_size,
+                            learning_rate=learning_rate,
+                            max_steps=max_steps, max_minutes=minutes, eval_every=eval_every, patience=patience,
+                            seed=seed, model_overrides={"layout": layout, "residual": residual, "readout": readout} | {
+                                k: v for k, v in (("n_layers", layers), ("n_heads", heads), ("d_ff", d_ff))
+                                if v is not None})
+    with console.status("Loading the model and the public corpus..."):
+        split_model = SplitModel.from_pretrained(model, device=device)
+        texts = public_corpus(sources=source_list, limit=max_texts, seed=seed)
+    trainer = DenoiserTrainer(split_model, texts, config=config, out_dir=out, sources=source_list, console=console)
+    console.print(f"Training on {len(trainer.train_texts)} texts, validating on {len(trainer.val_texts)} "
+                  f"({trainer.excluded_long} longer than {max_tokens} tokens left out)")
+    card = trainer.train(resume=resume)
+    console.print(f"Validation: {card.validation.model_dump()}")
+    console.print(f"Wrote {out / 'denoiser.safetensors'} and {out / 'denoiser.json'}")
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    api_key: Annotated[list[str] | None, typer.Option(help="Accepted Bearer key (repeatable); none: open.")] = None,
+    denoiser: Annotated[list[Path] | None, typer.Option(help="Denoiser folders to offer (default: shipped).")] = None,
+    max_batch_rows: Annotated[int, typer.Option(help="Micro-batch size bound (sentences).")] = 64,
+    max_wait_ms: Annotated[float, typer.Option(help="Micro-batch wait bound.")] = 5.0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm[ray]).")] = False,
+    replicas: Annotated[int, typer.Option(help="With --ray: number of replicas.")] = 1,
+    replica_cpus: Annotated[float, typer.Option(help="With --ray: CPUs reserved per replica.")] = 1.0,
+    ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")] = None,
+) -> None:
+    """The vendor's SnD server: noisy token embeddings in, pooled embeddings out. Never sees text."""
+    if ray:
+        _serve_with_ray(model=model, host=host, port=port, api_keys=api_key or (), denoiser_dirs=denoiser,
+                        max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms, device=device, replicas=replicas,
+                        replica_cpus=replica_cpus, address=ray_address)
+        return
+    import uvicorn
+
+    from privlm.models import SplitModel
+    from privlm.snd.service.server import create_app
+
+    split_model = SplitModel.from_pretrained(model, device=device)
+    app_ = create_app(split_model, denoiser_dirs=denoiser or None, api_keys=api_key or (),
+                      max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
+def _serve_with_ray(*, model: str, host: str, port: int, api_keys: list[str] | tuple[str, ...],
+                    denoiser_dirs: list[Path] | None, max_batch_rows: int, max_wait_ms: float, device: str,
+                    replicas: int, replica_cpus: float, address: str | None) -> None:
+    try:
+        from privlm.snd.service.ray import run_blocking, snd_application
+    except ImportError as error:
+        raise typer.BadParameter(str(error), param_hint="--ray") from None
+    application = snd_application(model, replicas=replicas, replica_cpus=replica_cpus, denoiser_dirs=denoiser_dirs,
+                                  api_keys=api_keys, max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms,
+                                  device="cpu" if device == "auto" else device)
+    run_blocking(application, host=host, port=port, name="privlm-snd", address=address)
+
+
+@app.command()
+def gateway(
+    server: Annotated[str, typer.Option(help="Base URL of a remote `privlm serve`.")],
+    eta: Annotated[float, typer.Option(help="Privacy level: eta * d_chi-privacy per token.")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8001,
+    server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server.")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable).")] = None,
+    denoiser: Annotated[str, typer.Option(help="auto, a denoiser name from the bundle, or none.")] = "auto",
+    truncate: Annotated[bool, typer.Option("--truncate", help="Cut over-long texts instead of refusing them.")] = False,
+    budget: Annotated[float | None, typer.Option(help="Privacy budget per API key, in eta-tokens (eta summed over "
+                                                      "every token row released); none: unlimited.")] = None,
+    ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: "
+                                                     "$PRIVLM_CACHE/ledger.sqlite).")] = None,
+) -> None:
+    """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
+    import uvicorn
+
+    from privlm.accounting import Ledger
+    from privlm.mechanisms import PrivacyUnit
+    from privlm.models.sources import cache_dir
+    from privlm.snd import Client
+    from privlm.snd.service.gateway import create_gateway
+
+    spending = None
+    if budget is not None:
+        try:
+            spending = Ledger(ledger or cache_dir() / "ledger.sqlite", budgets={PrivacyUnit.ETA_TOKEN: budget})
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--budget") from None
+    elif ledger is not None:
+        raise typer.BadParameter("a ledger needs a budget", param_hint="--budget")
+    client = Client(server, eta=eta, api_key=server_api_key, denoiser=None if denoiser == "none" else denoiser,
+                    ledger=spending)
+    uvicorn.run(create_gateway(client, api_keys=api_key or (), truncate=truncate), host=host, port=port,
+                log_level="warning")

@@ -1,0 +1,43 @@
+"""The benchmark registry: every sweep registers itself, by name, in its own file under
+``privlm.eval.sweeps``. ``privlm bench report`` and the CLI find sweeps here; adding a system's sweep
+means adding one file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from privlm.eval.bench import Method
+
+_SWEEPS: dict[str, SweepEntry] = {}
+
+
+@dataclass(frozen=True)
+class SweepEntry:
+    """A named sweep: its known methods (to read older results) and any reports beyond results.md."""
+
+    name: str
+    methods: Sequence[Method]
+    extra_reports: Callable[[Path], list[Path]] = field(default=lambda _: [])
+
+
+def register(entry: SweepEntry) -> SweepEntry:
+    if entry.name in _SWEEPS and _SWEEPS[entry.name] != entry:
+        raise ValueError(f"sweep {entry.name!r} is registered twice")
+    _SWEEPS[entry.name] = entry
+    return entry
+
+
+def sweep_entry(name: str) -> SweepEntry:
+    """The registered sweep ``name``, after importing every module of ``privlm.eval.sweeps``."""
+    import privlm.eval.sweeps as sweeps
+
+    for module in pkgutil.iter_modules(sweeps.__path__):
+        importlib.import_module(f"{sweeps.__name__}.{module.name}")
+    if name not in _SWEEPS:
+        raise ValueError(f"no sweep named {name!r}; known: {sorted(_SWEEPS)}")
+    return _SWEEPS[name]

@@ -1,1 +1,0 @@
-"""Services: the SnD server, the client SDK transport, the OpenAI-compatible gateway."""

@@ -1,0 +1,87 @@
+"""The one app factory every privlm service is built on.
+
+It gives a FastAPI app:
+  - Bearer keys (:class:`BearerKeys`) on every route of the system's routers, and on ``/metrics``;
+  - the request-body limit, enforced while the body is read (:mod:`privlm.service.limits`);
+  - one error model in OpenAI's shape for every error: the service's own (:class:`ServiceError`),
+    malformed tensors (``WireError``), exhausted privacy budgets (429), invalid JSON (400), unknown
+    routes, and anything unexpected (a 500 that names no internals);
+  - ``GET /health`` (open, for load balancers) and ``GET /metrics`` (Prometheus text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from privlm.accounting import BudgetExhaustedError
+from privlm.service.auth import BearerKeys
+from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response
+from privlm.service.limits import BodyLimitMiddleware
+from privlm.service.metrics import RequestMetricsMiddleware, ServiceMetrics
+from privlm.wire import WireError
+
+Lifespan = Callable[[FastAPI], Any]
+
+
+def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: BearerKeys, max_request_bytes: int,
+                       health: Callable[[], Mapping[str, object]] = dict, lifespan: Lifespan | None = None,
+                       version: str = "1") -> FastAPI:
+    """A service with the system's ``routers`` behind ``auth``; ``health`` adds facts to ``/health``."""
+    app = FastAPI(title=title, version=version, lifespan=lifespan, responses=ERROR_RESPONSES)
+    metrics = ServiceMetrics()
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it also counts refusals
+
+    @app.get("/health", tags=["service"])
+    async def health_check() -> dict[str, object]:
+        return {"status": "ok", **health()}
+
+    @app.get("/metrics", tags=["service"], dependencies=[Depends(auth)], response_class=Response)
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    for router in routers:
+        app.include_router(router, dependencies=[Depends(auth)])
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, error: ServiceError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(WireError)
+    async def wire_error(_: Request, error: WireError) -> JSONResponse:
+        return error_response(error.status, str(error), param=error.limit,
+                              code="limit_exceeded" if error.status == 413 else "invalid_payload")
+
+    @app.exception_handler(BudgetExhaustedError)
+    async def budget_exhausted(_: Request, error: BudgetExhaustedError) -> JSONResponse:
+        return error_response(429, str(error), type="insufficient_quota", param=f"{error.unit} budget",
+                              code="budget_exhausted",
+                              headers={"x-privlm-budget-remaining": f"{error.remaining:.6g}"})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_json(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        param = ".".join(str(part) for part in problems[0].get("loc", ())[1:]) if problems else None
+        summary = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in problems[:3])
+        return error_response(400, f"invalid request: {summary}", param=param or None, code="invalid_request")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail),
+                              type="not_found_error" if error.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        return error_response(500, f"internal error ({type(error).__name__})", type="server_error")

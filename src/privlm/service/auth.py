@@ -1,0 +1,54 @@
+"""Bearer API keys, as a reusable FastAPI dependency that returns the caller's principal."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from privlm.accounting import principal_of_key
+from privlm.service.errors import ServiceError
+
+ANONYMOUS = "anonymous"
+_bearer = HTTPBearer(auto_error=False, description="privlm API key")
+
+
+class BearerKeys:
+    """Accepts ``Authorization: Bearer <key>`` for any of ``keys`` (none: the service is open).
+
+    Keys are compared as sha256 digests with :func:`secrets.compare_digest`, against every accepted
+    key, so the time taken does not depend on how much of a key matched or on which key it was.
+    """
+
+    def __init__(self, keys: Sequence[str] = ()) -> None:
+        if any(not isinstance(key, str) or not key.strip() for key in keys):
+            raise ValueError("api keys must be non-empty strings; an empty key would leave the service open")
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+
+    @property
+    def open(self) -> bool:
+        return not self._digests
+
+    def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+        """The principal: a hash of the caller's key, or ``anonymous`` on an open service."""
+        if self.open:
+            return ANONYMOUS
+        if credentials is None:
+            raise self._refusal()
+        digest = hashlib.sha256(credentials.credentials.encode()).digest()
+        matched = False
+        for accepted in self._digests:  # no early exit
+            matched |= secrets.compare_digest(accepted, digest)
+        if not matched:
+            raise self._refusal()
+        return principal_of_key(credentials.credentials)
+
+    @staticmethod
+    def _refusal() -> ServiceError:
+        return ServiceError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                            type="authentication_error", code="invalid_api_key",
+                            headers={"www-authenticate": "Bearer"})

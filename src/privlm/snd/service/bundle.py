@@ -1,0 +1,81 @@
+"""What an SnD client downloads once: tokenizer files, the word-embedding rows, the model facts and
+the denoisers, in a generic :class:`privlm.service.Bundle` (sha256 per file)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
+from transformers import AutoTokenizer
+
+from privlm.models import SplitModel, TokenEmbedder
+from privlm.service import Bundle, ServerError, check_file_name
+from privlm.snd.artefacts import WEIGHTS_FILE
+from privlm.snd.card import CARD_FILE, read_card
+
+BUNDLE_FORMAT = "privlm-snd-bundle/1"
+BUNDLE_PATH = "/v1/snd/bundle"
+
+
+def model_facts(model: SplitModel) -> dict[str, object]:
+    return {"name": model.name, "fingerprint": model.fingerprint, "dim": model.hidden_size,
+            "vocab_size": model.vocab_size, "max_length": model.max_length, "normalize": model.normalize,
+            "pooling": model.pooling, "clip_norm": model.max_embedding_norm, "config": model.config_dict}
+
+
+def snd_bundle(model: SplitModel, denoiser_dirs: Sequence[Path]) -> Bundle:
+    """The bundle a server offers for ``model`` and the given denoiser folders."""
+    facts = model_facts(model)
+    denoisers: list[dict[str, object]] = []
+    bundle = Bundle(format=BUNDLE_FORMAT, facts={"model": facts, "denoisers": denoisers})
+    bundle.add("model.json", json.dumps(facts, sort_keys=True, default=str).encode())
+    bundle.add("embeddings.safetensors",
+               save_safetensors({"embeddings": model.embedding_matrix.float().cpu().contiguous()}))
+    with tempfile.TemporaryDirectory() as folder:
+        model.require_tokenizer().save_pretrained(folder)
+        for path in sorted(Path(folder).iterdir()):
+            bundle.add(f"tokenizer/{path.name}", path.read_bytes())
+    for directory in denoiser_dirs:
+        card = read_card(directory)
+        name = check_file_name(Path(directory).name)
+        bundle.add(f"denoisers/{name}/{WEIGHTS_FILE}", (Path(directory) / WEIGHTS_FILE).read_bytes())
+        bundle.add(f"denoisers/{name}/{CARD_FILE}", (Path(directory) / CARD_FILE).read_bytes())
+        denoisers.append({"name": name, "eta_range": list(card.eta_range), "variant": card.config.variant,
+                          "fingerprint": card.base_model.fingerprint})
+    return bundle
+
+
+def bundle_embedder(folder: Path, *, device: str | torch.device = "auto") -> TokenEmbedder:
+    """The client half from a downloaded bundle, checked against the fingerprint it advertises."""
+    facts = json.loads((folder / "model.json").read_text())
+    embedder = TokenEmbedder(AutoTokenizer.from_pretrained(folder / "tokenizer"),
+                             load_file(str(folder / "embeddings.safetensors"))["embeddings"],
+                             config=facts["config"], max_length=facts["max_length"], normalize=facts["normalize"],
+                             name=facts["name"], device=device)
+    if embedder.fingerprint != facts["fingerprint"]:
+        raise ServerError("the bundle's embedding rows do not match the model fingerprint it advertises")
+    return embedder
+
+
+def choose_denoiser(manifest: Mapping[str, object], folder: Path, eta: float, denoiser: str | None) -> Path | None:
+    """``auto``: the SnD denoiser whose eta range holds eta (else the first, with a warning at load)."""
+    if denoiser is None:
+        return None
+    offered = manifest.get("denoisers")
+    if not isinstance(offered, list) or not all(isinstance(d, dict) for d in offered):
+        raise ServerError("the bundle manifest's denoiser list is malformed")
+    names = [check_file_name(d.get("name")) for d in offered]
+    if denoiser != "auto":
+        if denoiser not in names:
+            raise ValueError(f"server offers denoisers {names}, not {denoiser!r}")
+        return folder / "denoisers" / denoiser
+    snd = [d for d in offered if d.get("variant") == "snd"]
+    if not snd:
+        raise ValueError("the server offers no SnD denoiser; pass denoiser=None to use e_n as it comes")
+    fitting = [d for d in snd if d["eta_range"][0] <= eta <= d["eta_range"][1]]
+    return folder / "denoisers" / check_file_name((fitting or snd)[0]["name"])

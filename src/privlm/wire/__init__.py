@@ -1,0 +1,29 @@
+"""Tensor payloads on the wire and their limits: safetensors or checked raw arrays, never pickle."""
+
+from privlm.wire.tensors import (
+    RAW,
+    SAFETENSORS,
+    WIRE_DTYPES,
+    Limits,
+    SequenceBatch,
+    WireDType,
+    WireError,
+    read_rows,
+    read_sequences,
+    write_rows,
+    write_sequences,
+)
+
+__all__ = [
+    "RAW",
+    "SAFETENSORS",
+    "WIRE_DTYPES",
+    "Limits",
+    "SequenceBatch",
+    "WireDType",
+    "WireError",
+    "read_rows",
+    "read_sequences",
+    "write_rows",
+    "write_sequences",
+]

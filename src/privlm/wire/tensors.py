@@ -1,0 +1,201 @@
+"""Tensors on the wire: safetensors bytes, or raw little-endian arrays with a declared dtype and shape.
+
+Two payloads: a batch of token sequences (B, n, d) with its attention mask (what a client sends), and
+a batch of rows (B, d) (what a server answers). Nothing is ever unpickled. Every tensor read is checked
+for dtype, rank, shape limits and finiteness before it reaches a model; a violation is a ``WireError``
+naming the limit, which the services turn into a 4xx JSON answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+WireDType = Literal["float32", "float16"]
+SAFETENSORS = "application/x-safetensors"
+RAW = "application/octet-stream"
+WIRE_DTYPES: tuple[WireDType, ...] = ("float32", "float16")
+FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+
+
+class WireError(ValueError):
+    """A malformed or over-limit payload. ``status`` is the HTTP status to answer with; ``limit`` names
+    the limit or field at fault."""
+
+    def __init__(self, message: str, *, status: int = 422, limit: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.limit = limit
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Per-request bounds. ``dim`` is the model's hidden size: anything else is refused."""
+
+    dim: int
+    max_request_bytes: int = 16 * 2**20
+    max_batch: int = 64
+    max_tokens: int = 512
+
+
+@dataclass
+class SequenceBatch:
+    """Token vectors of B right-padded sequences, as read from a request."""
+
+    embeddings: torch.Tensor  # (B, n, d) float, padding rows zero
+    attention_mask: torch.Tensor  # (B, n) int64 of 0/1, right padding
+    dtype: WireDType  # the dtype the client sent; the answer uses it too
+
+
+def _check_shape(batch: int, tokens: int, dim: int, limits: Limits) -> None:
+    if batch < 1 or tokens < 1:
+        raise WireError(f"empty batch: shape ({batch}, {tokens}, {dim})", limit="shape")
+    if batch > limits.max_batch:
+        raise WireError(f"batch of {batch} exceeds max_batch={limits.max_batch}", status=413, limit="max_batch")
+    if tokens > limits.max_tokens:
+        raise WireError(f"sequence of {tokens} tokens exceeds max_tokens={limits.max_tokens}", status=413,
+                        limit="max_tokens")
+    if dim != limits.dim:
+        raise WireError(f"embedding dimension {dim} does not match the model's {limits.dim}", limit="dim")
+
+
+def _mask_from_lengths(lengths: list[int], tokens: int) -> torch.Tensor:
+    if any(n < 1 or n > tokens for n in lengths):
+        raise WireError(f"lengths must lie in [1, {tokens}], got {lengths}", limit="lengths")
+    return (torch.arange(tokens).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+
+
+def _check_values(embeddings: torch.Tensor, mask: torch.Tensor) -> None:
+    if not torch.isfinite(embeddings).all():
+        raise WireError("embeddings contain NaN or inf", limit="finite")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise WireError("attention_mask must hold only 0 and 1", limit="attention_mask")
+    lengths = mask.sum(dim=1)
+    if (lengths < 1).any():
+        raise WireError("every row needs at least one unmasked token", limit="attention_mask")
+    right_padded = mask == (torch.arange(mask.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    if not right_padded.all():
+        raise WireError("attention_mask must be right-padded (ones, then zeros)", limit="attention_mask")
+
+
+def _wire_dtype(name: object, field: str) -> WireDType:
+    for known in WIRE_DTYPES:
+        if name == known:
+            return known
+    raise WireError(f"{field} must be float32 or float16, got {name!r}", limit="dtype")
+
+
+def _read_safetensors_sequences(body: bytes, limits: Limits) -> SequenceBatch:
+    """Body: safetensors with ``embeddings`` (B, n, d) float32/float16 and ``attention_mask`` (B, n) u8/bool/i64."""
+    try:
+        tensors = load_safetensors(body)
+    except (SafetensorError, ValueError, RuntimeError) as error:
+        raise WireError(f"body is not valid safetensors: {error}", limit="format") from error
+    if set(tensors) != {"embeddings", "attention_mask"}:
+        raise WireError(f"expected tensors 'embeddings' and 'attention_mask', got {sorted(tensors)}", limit="format")
+    embeddings, mask = tensors["embeddings"], tensors["attention_mask"]
+    dtype = _wire_dtype(next((name for name, t in FLOAT_DTYPES.items() if embeddings.dtype == t), embeddings.dtype),
+                        "embeddings dtype")
+    if embeddings.ndim != 3 or mask.ndim != 2 or tuple(mask.shape) != tuple(embeddings.shape[:2]):
+        raise WireError(f"embeddings must be (B, n, d) and attention_mask (B, n); got {tuple(embeddings.shape)} "
+                        f"and {tuple(mask.shape)}", limit="shape")
+    if mask.dtype not in (torch.uint8, torch.bool, torch.int64, torch.int32):
+        raise WireError(f"attention_mask must be an integer or bool tensor, got {mask.dtype}", limit="dtype")
+    batch, tokens, dim = embeddings.shape
+    _check_shape(batch, tokens, dim, limits)
+    mask = mask.long()
+    _check_values(embeddings, mask)
+    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype)
+
+
+def _read_raw_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> SequenceBatch:
+    """Body: raw little-endian (B, n, d) array; headers give dtype, shape "B,n,d" and lengths "l1,...,lB"."""
+    dtype = _wire_dtype(headers.get("x-privlm-dtype"), "X-Privlm-Dtype")
+    shape, lengths = headers.get("x-privlm-shape"), headers.get("x-privlm-lengths")
+    try:
+        dims = [int(x) for x in (shape or "").split(",")]
+        row_lengths = [int(x) for x in (lengths or "").split(",")]
+    except ValueError as error:
+        raise WireError("X-Privlm-Shape and X-Privlm-Lengths must be comma-separated integers",
+                        limit="shape") from error
+    if len(dims) != 3:
+        raise WireError(f"X-Privlm-Shape must be 'B,n,d', got {shape!r}", limit="shape")
+    _check_shape(dims[0], dims[1], dims[2], limits)
+    if len(row_lengths) != dims[0]:
+        raise WireError(f"X-Privlm-Lengths has {len(row_lengths)} entries for a batch of {dims[0]}", limit="lengths")
+    expected = dims[0] * dims[1] * dims[2] * NUMPY_DTYPES[dtype].itemsize
+    if len(body) != expected:
+        raise WireError(f"body has {len(body)} bytes; shape {dims} of {dtype} needs {expected}", limit="shape")
+    array = np.frombuffer(body, dtype=NUMPY_DTYPES[dtype]).reshape(dims)
+    embeddings = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+    mask = _mask_from_lengths(row_lengths, dims[1])
+    _check_values(embeddings, mask)
+    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype)
+
+
+def read_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> SequenceBatch:
+    """A request's sequence batch, as safetensors or raw (by its content type), checked against ``limits``."""
+    if len(body) > limits.max_request_bytes:
+        raise WireError(f"request of {len(body)} bytes exceeds max_request_bytes={limits.max_request_bytes}",
+                        status=413, limit="max_request_bytes")
+    content_type = headers.get("content-type", "").split(";")[0].strip()
+    if content_type == SAFETENSORS:
+        return _read_safetensors_sequences(body, limits)
+    if content_type == RAW:
+        return _read_raw_sequences(body, headers, limits)
+    raise WireError(f"content-type must be {SAFETENSORS} or {RAW}, got {content_type!r}", status=415,
+                    limit="content-type")
+
+
+def write_sequences(embeddings: torch.Tensor, attention_mask: torch.Tensor, *, dtype: WireDType = "float32",
+                    fmt: str = SAFETENSORS) -> tuple[bytes, dict[str, str]]:
+    """Client side: zero the padding rows (they carry nothing) and serialise with the headers to send."""
+    keep = attention_mask.unsqueeze(-1).to(embeddings.dtype)
+    values = (embeddings * keep).detach().to("cpu", FLOAT_DTYPES[dtype]).contiguous()
+    if fmt == SAFETENSORS:
+        body = save_safetensors({"embeddings": values, "attention_mask": attention_mask.detach().cpu().to(torch.uint8)})
+        return body, {"content-type": SAFETENSORS}
+    lengths = attention_mask.sum(dim=1).tolist()
+    return values.numpy().astype(NUMPY_DTYPES[dtype], copy=False).tobytes(), {
+        "content-type": RAW, "x-privlm-dtype": dtype, "x-privlm-shape": ",".join(str(s) for s in values.shape),
+        "x-privlm-lengths": ",".join(str(int(n)) for n in lengths)}
+
+
+def write_rows(rows: torch.Tensor, *, dtype: WireDType, fmt: str) -> tuple[bytes, dict[str, str]]:
+    """A (B, d) answer in the client's dtype, as safetensors or raw little-endian bytes, with its headers."""
+    tensor = rows.detach().to("cpu", FLOAT_DTYPES[dtype]).contiguous()
+    if fmt == SAFETENSORS:
+        return save_safetensors({"embeddings": tensor}), {"content-type": SAFETENSORS}
+    array = tensor.numpy().astype(NUMPY_DTYPES[dtype], copy=False)
+    return array.tobytes(), {"content-type": RAW, "x-privlm-dtype": dtype,
+                             "x-privlm-shape": ",".join(str(s) for s in array.shape)}
+
+
+def read_rows(body: bytes, headers: Mapping[str, str]) -> torch.Tensor:
+    """Client side: a server's (B, d) answer as a checked float32 tensor; a malformed one is a 502 WireError."""
+    content_type = headers.get("content-type", "")
+    if content_type.startswith(SAFETENSORS):
+        try:
+            out = load_safetensors(body).get("embeddings")
+        except (SafetensorError, ValueError, RuntimeError) as error:
+            raise WireError(f"answer is not valid safetensors: {error}", status=502) from error
+    else:
+        dtype = headers.get("x-privlm-dtype", "")
+        if dtype not in NUMPY_DTYPES:
+            raise WireError(f"answer has unknown dtype {dtype!r}", status=502)
+        try:
+            dims = [int(x) for x in headers.get("x-privlm-shape", "").split(",")]
+            out = torch.from_numpy(np.frombuffer(body, dtype=NUMPY_DTYPES[dtype]).reshape(dims).astype(np.float32))
+        except ValueError as error:
+            raise WireError(f"answer does not match its declared shape: {error}", status=502) from error
+    if out is None or out.ndim != 2 or not torch.isfinite(out).all():
+        raise WireError("answer must be a finite (B, d) 'embeddings' tensor", status=502)
+    return out.float()

@@ -1,0 +1,80 @@
+"""The privacy ledger: atomic check-and-spend, across threads and processes, and across restarts."""
+
+import math
+import multiprocessing
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from privlm.accounting import BudgetExhaustedError, Ledger, principal_of_key
+from privlm.mechanisms import PrivacyUnit, Spend
+
+EPS = PrivacyUnit.EPSILON
+
+
+def test_spends_until_the_budget_then_refuses_by_name(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    receipts = [ledger.spend("alice", Spend(EPS, 3.0)) for _ in range(3)]
+    assert [r.total for r in receipts] == [3.0, 6.0, 9.0] and receipts[-1].remaining == 1.0
+    with pytest.raises(BudgetExhaustedError) as refused:
+        ledger.spend("alice", Spend(EPS, 3.0))
+    assert refused.value.remaining == 1.0 and "epsilon budget" in str(refused.value) and "alice" in str(refused.value)
+    assert ledger.spent("alice", EPS) == 9.0  # the refused spend left nothing behind
+    assert ledger.spend("bob", Spend(EPS, 10.0)).remaining == 0.0  # budgets are per principal
+
+
+def test_a_restart_keeps_the_totals(tmp_path):
+    Ledger(tmp_path / "ledger.db", budgets={"eta-token": 100.0}).spend("k", Spend(PrivacyUnit.ETA_TOKEN, 40.0))
+    reopened = Ledger(tmp_path / "ledger.db", budgets={"eta-token": 100.0})
+    assert reopened.spent("k", PrivacyUnit.ETA_TOKEN) == 40.0 and reopened.remaining("k", PrivacyUnit.ETA_TOKEN) == 60
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("amount", [-1.0, math.nan, math.inf])
+def test_bad_spends_are_refused(tmp_path, amount):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 1.0})
+    with pytest.raises(ValueError, match="amount"):
+        ledger.spend("a", Spend(EPS, amount))
+    with pytest.raises(ValueError, match="no budget"):
+        ledger.spend("a", Spend(PrivacyUnit.ETA_TOKEN, 1.0))
+    with pytest.raises(ValueError, match="principal"):
+        ledger.spend("", Spend(EPS, 0.5))
+    with pytest.raises(ValueError, match="budget"):
+        Ledger(tmp_path / "other.db", budgets={"epsilon": 0.0})
+
+
+def test_principals_are_key_hashes():
+    principal = principal_of_key("sk-very-secret")
+    assert "sk-very-secret" not in principal and principal == principal_of_key("sk-very-secret")
+
+
+def _spend_in_threads(path: str, barrier, threads: int) -> int:
+    ledger = Ledger(path, budgets={"epsilon": 20.0})
+    barrier.wait()
+
+    def one(_: int) -> bool:
+        try:
+            ledger.spend("shared", Spend(EPS, 1.0), note="concurrency test")
+        except BudgetExhaustedError:
+            return False
+        return True
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(one, range(threads)))
+
+
+def test_64_concurrent_spends_from_several_processes_never_pass_the_budget(tmp_path):
+    path = str(tmp_path / "ledger.db")
+    Ledger(path, budgets={"epsilon": 20.0})
+    context = multiprocessing.get_context("spawn")
+    processes, threads = 4, 16
+    barrier = context.Manager().Barrier(processes)
+    with context.Pool(processes) as pool:
+        granted = pool.starmap(_spend_in_threads, [(path, barrier, threads)] * processes)
+    assert sum(granted) == 20  # exactly the budget: none lost, none over
+    ledger = Ledger(path, budgets={"epsilon": 20.0})
+    assert ledger.spent("shared", EPS) == 20.0
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT COUNT(*), SUM(amount) FROM spends").fetchone() == (20, 20.0)
