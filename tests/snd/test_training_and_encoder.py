@@ -3,6 +3,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from rich.console import Console
 
 from privlm.mechanisms import make_generator
@@ -130,3 +131,40 @@ def test_local_only_variant_never_calls_the_server(tiny, corpus, tmp_path):
                     console=QUIET).train()
     encoder = SnDEncoder(tiny, eta=5.0, denoiser=tmp_path)
     assert encoder.variant == "local" and encoder.encode_with_report(TEXTS).report.server_calls == 0
+
+
+def test_training_draws_every_random_number_on_the_models_device(tiny, corpus, tmp_path):
+    from privlm.snd.training import sample_etas
+
+    trainer = DenoiserTrainer(tiny, corpus, config=_config(max_steps=1), out_dir=tmp_path, console=QUIET)
+    assert trainer.generator.device == tiny.device
+    assert sample_etas(trainer.config, 4, trainer.generator).device == tiny.device
+    assert sample_etas(_config(etas=(5.0, 10.0)), 4, trainer.generator).device == tiny.device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_and_encoding_run_on_cuda(corpus, tmp_path):
+    """`privlm snd train --device cuda` used to fail at its first step (a CPU generator for CUDA noise)."""
+    from privlm.models import SplitModel
+    from tests.models.tiny import tiny_bert_folder
+
+    model = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "model"), device="cuda")
+    card = DenoiserTrainer(model, corpus, config=_config(max_steps=2, eval_every=2), out_dir=tmp_path / "d",
+                           console=QUIET).train()
+    assert card.training.steps == 2
+    assert SnDEncoder(model, eta=5.0, denoiser=tmp_path / "d").encode(TEXTS).shape == (len(TEXTS), 32)
+
+
+def test_concurrent_calls_keep_their_own_reports(trained, tiny):
+    """One encoder, many threads: each call's report describes that call only."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out, _ = trained
+    encoder = SnDEncoder(tiny, eta=5.0, denoiser=out)
+    batches = [TEXTS[: 1 + i % len(TEXTS)] for i in range(24)]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda texts: encoder.encode_with_report(texts, batch_size=2), batches))
+    for texts, encoded in zip(batches, results, strict=True):
+        assert encoded.report.texts == len(texts) and encoded.vectors.shape == (len(texts), 32)
+        assert encoded.report.tokens == sum(tiny.token_counts(texts))
+        assert encoded.report.server_calls == -(-len(texts) // 2)

@@ -1,0 +1,231 @@
+"""The shared service scaffolding, on a toy app run by a real uvicorn server: keys, limits, errors, metrics."""
+
+import asyncio
+import hashlib
+import json
+import secrets
+
+import httpx
+import pytest
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from privlm.accounting import BudgetExhaustedError
+from privlm.mechanisms import PrivacyUnit
+from privlm.service import BearerKeys, Bundle, RetryPolicy, ServerError, ServiceError, create_service_app
+from privlm.service.bundle import check_file_name, download_bundle
+from privlm.wire import WireError
+from tests.service.localhost import serving
+
+LIMIT = 1 << 20
+
+
+class Item(BaseModel):
+    name: str
+
+
+def _app(keys=()):
+    router = APIRouter()
+
+    @router.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    @router.post("/json")
+    async def parse(item: Item) -> dict[str, str]:
+        return {"name": item.name}
+
+    @router.get("/fail/{kind}")
+    async def fail(kind: str) -> None:
+        if kind == "service":
+            raise ServiceError(418, "a teapot", param="kind", code="teapot")
+        if kind == "wire":
+            raise WireError("batch too big", status=413, limit="max_batch")
+        if kind == "budget":
+            raise BudgetExhaustedError(principal="key:ab", unit=PrivacyUnit.EPSILON, budget=10.0, spent=9.5,
+                                       requested=1.0)
+        raise RuntimeError("secret internal detail")
+
+    return create_service_app(title="toy", routers=[router], auth=BearerKeys(keys), max_request_bytes=LIMIT,
+                              health=lambda: {"answer": 42})
+
+
+@pytest.fixture(scope="module")
+def url():
+    with serving(_app(keys=["k1", "k2"])) as base:
+        yield base
+
+
+def _auth(key="k2"):
+    return {"authorization": f"Bearer {key}"}
+
+
+def _error(response):
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_every_error_has_openai_shape(url):
+    cases = [("/fail/service", 418, "invalid_request_error", "kind", "teapot"),
+             ("/fail/wire", 413, "invalid_request_error", "max_batch", "limit_exceeded"),
+             ("/fail/budget", 429, "insufficient_quota", "epsilon budget", "budget_exhausted"),
+             ("/fail/other", 500, "server_error", None, None),
+             ("/nowhere", 404, "not_found_error", None, None)]
+    for path, status, kind, param, code in cases:
+        response = httpx.get(url + path, headers=_auth())
+        assert response.status_code == status, path
+        error = _error(response)
+        assert (error["type"], error["param"], error["code"]) == (kind, param, code), path
+    assert "secret internal detail" not in httpx.get(url + "/fail/other", headers=_auth()).text
+    budget = httpx.get(url + "/fail/budget", headers=_auth())
+    assert budget.headers["x-privlm-budget-remaining"] == "0.5" and "0.5 left" in _error(budget)["message"]
+    invalid = httpx.post(url + "/json", json={"name": ["not", "a", "string"]}, headers=_auth())
+    assert invalid.status_code == 400 and _error(invalid)["param"] == "name"
+
+
+def test_keys_guard_every_route_but_health(url):
+    assert httpx.get(url + "/health").json() == {"status": "ok", "answer": 42}
+    for headers in ({}, _auth("nope"), {"authorization": "Basic azE6"}):
+        refused = httpx.post(url + "/echo", content=b"x", headers=headers)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert _error(refused)["code"] == "invalid_api_key"
+    assert httpx.get(url + "/metrics").status_code == 401
+    for key in ("k1", "k2"):
+        assert httpx.post(url + "/echo", content=b"abc", headers=_auth(key)).json() == {"bytes": 3}
+
+
+def test_keys_are_compared_against_every_key_in_constant_time(monkeypatch):
+    calls = []
+    real = secrets.compare_digest
+    monkeypatch.setattr(secrets, "compare_digest", lambda a, b: calls.append(len(a)) or real(a, b))
+    from fastapi.security import HTTPAuthorizationCredentials
+
+    keys = BearerKeys(["first", "second", "third"])
+    for attempt in ("first", "third", "wrong"):
+        calls.clear()
+        try:
+            principal = keys(HTTPAuthorizationCredentials(scheme="Bearer", credentials=attempt))
+        except ServiceError:
+            principal = None
+        assert calls == [32, 32, 32]  # every accepted key, as fixed-length digests, whatever matched
+        assert principal == (None if attempt == "wrong" else "key:" + hashlib.sha256(attempt.encode()).hexdigest()[:16])
+
+
+@pytest.mark.parametrize("keys", [[""], ["ok", "  "]])
+def test_empty_keys_are_refused_at_start_up(keys):
+    with pytest.raises(ValueError, match="empty key"):
+        BearerKeys(keys)
+
+
+def test_body_limit_holds_whatever_content_length_says(url):
+    assert httpx.post(url + "/echo", content=b"x" * LIMIT, headers=_auth()).json() == {"bytes": LIMIT}
+    declared = httpx.post(url + "/echo", content=b"x" * (LIMIT + 1), headers=_auth())
+    assert declared.status_code == 413 and _error(declared)["param"] == "max_request_bytes"
+
+    def chunks():  # chunked transfer: no Content-Length at all
+        for _ in range(16):
+            yield b"x" * (LIMIT // 4)
+
+    streamed = httpx.post(url + "/echo", content=chunks(), headers=_auth())
+    assert streamed.status_code == 413 and "exceeds max_request_bytes" in _error(streamed)["message"]
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+def test_an_oversized_chunked_upload_is_refused_at_the_limit_with_flat_memory(url):
+    """256 MiB sent chunked to a 1 MiB limit: refused once the limit is crossed; the server (this process)
+    grows by less than 16 MiB."""
+    sent = 0
+
+    def chunks():
+        nonlocal sent
+        for _ in range(256):
+            sent += 1
+            yield b"x" * (1 << 20)
+
+    before = _resident_mib()
+    response = httpx.post(url + "/echo", content=chunks(), headers=_auth(), timeout=60)
+    assert response.status_code == 413
+    assert _resident_mib() - before < 16
+    assert sent < 64  # the upload was cut off long before its end
+
+
+def test_metrics_count_requests_by_route_and_status(url):
+    httpx.post(url + "/echo", content=b"x", headers=_auth())
+    text = httpx.get(url + "/metrics", headers=_auth()).text
+    assert 'privlm_requests_total{endpoint="/echo",status="200"}' in text
+    assert 'status="401"' in text and 'status="413"' in text
+
+
+def _flaky(statuses):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        status = statuses[min(len(seen) - 1, len(statuses) - 1)]
+        if status == 0:
+            raise httpx.ConnectError("refused")
+        body = {"error": {"message": "bad input", "type": "invalid_request_error"}} if status == 400 else {}
+        return httpx.Response(status, json=body)
+
+    return handler, seen
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_one_retry_policy_for_sync_and_async_clients(driver):
+    def run(statuses, retries=5):
+        handler, seen = _flaky(statuses)
+        policy = RetryPolicy(retries=retries, backoff=0.0)
+        if driver == "sync":
+            with httpx.Client(transport=httpx.MockTransport(handler), base_url="http://x") as http:
+                return policy.call(lambda: http.get("/a")), policy, seen
+
+        async def main():
+            async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as http:
+                return await policy.acall(lambda: http.get("/a"))
+        return asyncio.run(main()), policy, seen
+
+    response, policy, seen = run([0, 503, 429, 200])
+    assert response.status_code == 200 and policy.failed_attempts == 3 and len(seen) == 4
+    with pytest.raises(ValueError, match=r"\(400\): bad input"):
+        run([400, 200])
+    with pytest.raises(ServerError, match="500"):
+        run([500])
+    with pytest.raises(ServerError, match="no answer after 3 attempts"):
+        run([503], retries=2)
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../b", "a//b", ".", "..", "a\\b", "x" * 200, "",
+                                  "tokenizer/../../.bashrc", "a/b/c/d/e", "~/x", "a/./b", "...", 7])
+def test_unsafe_bundle_file_names_are_refused(name):
+    with pytest.raises(ServerError):
+        check_file_name(name)
+
+
+def test_bundles_download_by_name_verify_and_stay_in_their_folder(tmp_path):
+    bundle = Bundle(format="toy/1")
+    bundle.add("model.json", b"{}")
+    bundle.add("tokenizer/vocab.txt", b"a\nb\n")
+    manifest = bundle.manifest()
+    assert all(set(entry) == {"name", "sha256", "size"} for entry in manifest["files"])  # names, never URLs
+    fetched = []
+
+    def fetch(name: str) -> bytes:
+        fetched.append(name)
+        return bundle.files[name].content
+
+    folder = download_bundle(manifest, fetch, tmp_path, namespace="toy")
+    assert (folder / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n" and len(fetched) == 2
+    download_bundle(manifest, fetch, tmp_path, namespace="toy")
+    assert len(fetched) == 2  # intact files are reused
+    evil = json.loads(json.dumps(manifest))
+    evil["files"].append({"name": "../../escaped.txt", "sha256": hashlib.sha256(b"x").hexdigest(), "size": 1})
+    with pytest.raises(ServerError, match="plain relative name"):
+        download_bundle(evil, lambda _: b"x", tmp_path / "cache", namespace="toy")
+    assert not list(tmp_path.rglob("escaped.txt"))
+    with pytest.raises(ServerError, match="sha256"):
+        download_bundle(manifest, lambda name: b"tampered", tmp_path / "other", namespace="toy")
