@@ -1,29 +1,9 @@
-"""Evaluation kit: real labelled text and deterministic splits, probes, attacks and benchmarks."""
+"""Evaluation kit: real labelled text and deterministic splits, probes, attacks and benchmarks.
 
-from privlm.eval.data import (
-    Splits,
-    Task,
-    TextDataset,
-    load_fortunes,
-    load_glue,
-    load_table,
-    load_tweets,
-    load_wordnet,
-    named_task,
-    public_corpus,
-    split_dataset,
-)
+The data loaders of :mod:`privlm.eval.data` are re-exported here.
+"""
 
-__all__ = [
-    "Splits",
-    "Task",
-    "TextDataset",
-    "load_fortunes",
-    "load_glue",
-    "load_table",
-    "load_tweets",
-    "load_wordnet",
-    "named_task",
-    "public_corpus",
-    "split_dataset",
-]
+from privlm.eval import data
+from privlm.eval.data import *  # noqa: F403 - the loaders, by their own __all__
+
+__all__ = list(data.__all__)
