@@ -1,6 +1,7 @@
-"""Every command shown in the README and docs/ is one that runs: each `privlm ...` command line parses
-against the real CLI (subcommands, options, required values), and each Python example that needs no
-running server executes."""
+"""Every command shown in the README and docs/ is one that runs: each `privlm ...` command line is parsed
+by the real CLI exactly as it would be before running (subcommand, options, their types, required
+values); the commands themselves are not run here (benchmarks take minutes to hours). Each Python
+example that needs no running server is executed."""
 
 import re
 import shlex

@@ -33,10 +33,15 @@ def test_a_restart_keeps_the_totals(tmp_path):
 
 
 @pytest.mark.parametrize("amount", [-1.0, math.nan, math.inf])
-def test_bad_spends_are_refused(tmp_path, amount):
+def test_bad_amounts_are_refused(tmp_path, amount):
     ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 1.0})
     with pytest.raises(ValueError, match="amount"):
         ledger.spend("a", Spend(EPS, amount))
+    assert ledger.spent("a", EPS) == 0.0
+
+
+def test_bad_units_principals_and_budgets_are_refused(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 1.0})
     with pytest.raises(ValueError, match="no budget"):
         ledger.spend("a", Spend(PrivacyUnit.ETA_TOKEN, 1.0))
     with pytest.raises(ValueError, match="principal"):

@@ -229,3 +229,33 @@ def test_bundles_download_by_name_verify_and_stay_in_their_folder(tmp_path):
     assert not list(tmp_path.rglob("escaped.txt"))
     with pytest.raises(ServerError, match="sha256"):
         download_bundle(manifest, lambda name: b"tampered", tmp_path / "other", namespace="toy")
+
+
+def test_a_body_without_an_accepted_key_is_refused_before_it_is_read(url):
+    """The 401 comes back while the client is still holding most of its declared body: nothing was buffered."""
+    import socket
+
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n" + b"x" * 100)
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer
+    sent = 0
+
+    def chunks():
+        nonlocal sent
+        for _ in range(256):
+            sent += 1
+            yield b"x" * (1 << 20)
+
+    refused = httpx.post(url + "/echo", content=chunks(), headers=_auth("wrong"), timeout=60)
+    assert refused.status_code == 401 and sent < 64  # cut off long before its 256 MiB
+
+
+def test_an_exhausted_budget_is_final_for_clients(url):
+    budget = httpx.get(url + "/fail/budget", headers=_auth())
+    assert budget.headers["x-should-retry"] == "false"  # OpenAI's SDKs do not retry it either
+    policy = RetryPolicy(retries=3, backoff=0.0)
+    with httpx.Client(base_url=url, headers=_auth()) as http, pytest.raises(ValueError, match=r"\(429\)"):
+        policy.call(lambda: http.get("/fail/budget"))
+    assert policy.failed_attempts == 0

@@ -133,10 +133,24 @@ def test_local_only_variant_never_calls_the_server(tiny, corpus, tmp_path):
     assert encoder.variant == "local" and encoder.encode_with_report(TEXTS).report.server_calls == 0
 
 
-def test_training_draws_every_random_number_on_the_models_device(tiny, corpus, tmp_path):
+def test_training_draws_every_random_number_on_the_models_device(tiny, corpus, tmp_path, monkeypatch):
+    """Every generator of a training run is asked for on the model's device (a CPU generator for CUDA noise
+    made `privlm snd train --device cuda` fail at its first step)."""
+    from privlm.snd import training
     from privlm.snd.training import sample_etas
 
+    devices = []
+    real = training.make_generator
+
+    def recording(seed=None, *, device=None):  # None: the caller did not say where
+        devices.append(device)
+        return real(seed, device=device or "cpu")
+
+    monkeypatch.setattr(training, "make_generator", recording)
     trainer = DenoiserTrainer(tiny, corpus, config=_config(max_steps=1), out_dir=tmp_path, console=QUIET)
+    trainer.val_targets = trainer._targets(trainer.val_texts)
+    trainer.validate()  # makes the validation stream
+    assert devices == [tiny.device, tiny.device]  # the training stream and the validation stream
     assert trainer.generator.device == tiny.device
     assert sample_etas(trainer.config, 4, trainer.generator).device == tiny.device
     assert sample_etas(_config(etas=(5.0, 10.0)), 4, trainer.generator).device == tiny.device
@@ -168,3 +182,10 @@ def test_concurrent_calls_keep_their_own_reports(trained, tiny):
         assert encoded.report.texts == len(texts) and encoded.vectors.shape == (len(texts), 32)
         assert encoded.report.tokens == sum(tiny.token_counts(texts))
         assert encoded.report.server_calls == -(-len(texts) // 2)
+
+
+def test_any_iterable_of_texts_is_accepted(tiny):
+    encoder = SnDEncoder(tiny, eta=1e7, denoiser=None, generator=make_generator(1))
+    reference = SnDEncoder(tiny, eta=1e7, denoiser=None, generator=make_generator(1)).encode(list(TEXTS))
+    np.testing.assert_allclose(encoder.encode(np.array(TEXTS)), reference, atol=1e-6)
+    assert encoder.encode(text for text in TEXTS).shape == reference.shape

@@ -37,9 +37,10 @@ from rich.progress import Progress
 from scipy import stats
 
 from privlm._validation import check_non_negative_finite, check_positive_int
-from privlm.mechanisms import DiscreteMechanism, Mechanism, exact_privacy_loss, make_generator
+from privlm.mechanisms import DiscreteMechanism, Mechanism, OutputKind, exact_privacy_loss, make_generator
 
-Kind = Literal["continuous", "discrete"]
+Kind = OutputKind  # "continuous" (vectors) or "discrete" (ids)
+
 Statistic = Callable[[np.ndarray], np.ndarray]
 Sampler = Callable[[torch.Tensor, int, torch.Generator], torch.Tensor | np.ndarray]
 

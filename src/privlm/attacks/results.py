@@ -19,14 +19,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from scipy import stats
 
 from privlm._validation import check_choice, check_positive_int
 
-CI_METHODS = ("bootstrap", "normal")
+CiMethod = Literal["bootstrap", "normal"]
+CI_METHODS: tuple[CiMethod, ...] = ("bootstrap", "normal")
 
 
 def _check_confidence(confidence: object) -> float:
@@ -120,7 +121,7 @@ class ScoreResult:
     ci_high: float
     n: int
     confidence: float = 0.95
-    ci_method: str = "bootstrap"
+    ci_method: CiMethod = "bootstrap"
     details: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,7 +138,7 @@ def score_result(
     values: Sequence[float] | np.ndarray,
     *,
     confidence: float = 0.95,
-    ci_method: str = "bootstrap",
+    ci_method: CiMethod = "bootstrap",
     n_resamples: int = 2000,
     seed: int = 0,
     details: dict[str, Any] | None = None,

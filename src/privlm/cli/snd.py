@@ -211,8 +211,8 @@ def gateway(
     truncate: Annotated[bool, typer.Option("--truncate", help="Cut over-long texts instead of refusing them.")] = False,
     budget: Annotated[float | None, typer.Option(help="Privacy budget per API key, in eta-tokens (eta summed over "
                                                       "every token row released); none: unlimited.")] = None,
-    ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: "
-                                                     "$PRIVLM_CACHE/ledger.sqlite).")] = None,
+    ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: one per server model, "
+                                                     "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
 ) -> None:
     """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
     import uvicorn
@@ -223,15 +223,16 @@ def gateway(
     from privlm.snd import Client
     from privlm.snd.service.gateway import create_gateway
 
-    spending = None
-    if budget is not None:
-        try:
-            spending = Ledger(ledger or cache_dir() / "ledger.sqlite", budgets={PrivacyUnit.ETA_TOKEN: budget})
-        except ValueError as error:
-            raise typer.BadParameter(str(error), param_hint="--budget") from None
-    elif ledger is not None:
+    if budget is not None and not (budget > 0 and budget != float("inf")):
+        raise typer.BadParameter(f"must be finite and > 0, got {budget}", param_hint="--budget")
+    if ledger is not None and budget is None:
         raise typer.BadParameter("a ledger needs a budget", param_hint="--budget")
-    client = Client(server, eta=eta, api_key=server_api_key, denoiser=None if denoiser == "none" else denoiser,
-                    ledger=spending)
+    client = Client(server, eta=eta, api_key=server_api_key, denoiser=None if denoiser == "none" else denoiser)
+    if budget is not None:
+        # One ledger per embedding space by default: eta-tokens of different models bound different distances.
+        path = ledger or cache_dir() / f"ledger-snd-{client.model.fingerprint[:16]}.sqlite"
+        client.ledger = Ledger(path, budgets={PrivacyUnit.ETA_TOKEN: budget})
+        shared = "" if api_key else " (no --api-key: every caller shares one budget)"
+        console.print(f"Budget: {budget:g} eta-tokens per API key{shared}, ledger {path}")
     uvicorn.run(create_gateway(client, api_keys=api_key or (), truncate=truncate), host=host, port=port,
                 log_level="warning")

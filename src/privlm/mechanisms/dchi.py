@@ -16,6 +16,7 @@ paper's tables.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,6 +119,11 @@ class DChiLaplace:
         if num_samples is not None:
             x = x.expand(check_positive_int("num_samples", num_samples), *x.shape)
         return x + self.noise(x, generator=generator)
+
+    def randomise(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Deprecated name of :meth:`sample` (every mechanism now samples through the one protocol)."""
+        warnings.warn("DChiLaplace.randomise is deprecated; use DChiLaplace.sample", DeprecationWarning, stacklevel=2)
+        return self.sample(x, generator=generator)
 
     def privacy_bound(self, x: torch.Tensor, x_prime: torch.Tensor) -> float:
         """sum_i eta_i ||x_i - x'_i||_2 over the rows of two inputs of the same shape."""

@@ -10,7 +10,7 @@ import hashlib
 import json
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -129,8 +129,10 @@ class TokenEmbedder:
         return model_fingerprint(self.embedding_matrix, self.config_dict)
 
     # --- tokens -------------------------------------------------------------------------------
-    def tokens(self, texts: Sequence[str]) -> Tokens:
-        """Tokenize once: every text's full-length ids (special tokens included), in one tokenizer call."""
+    def tokens(self, texts: Iterable[str]) -> Tokens:
+        """Tokenize once: every text's full-length ids (special tokens included), in one tokenizer call.
+        ``texts`` may be any iterable of strings (a list, a numpy array, a generator)."""
+        texts = texts if isinstance(texts, str) else list(texts)  # a lone string is refused by check_texts
         check_texts(texts)
         tokenizer = self.require_tokenizer()
         with self._tokenizer_lock:

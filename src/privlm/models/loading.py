@@ -19,6 +19,7 @@ from transformers import (
     T5EncoderModel,
 )
 
+from privlm.models.pooling import Pooling
 from privlm.models.sources import (
     ModelSource,
     gguf_cache_path,
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 ENCODER_TYPES = frozenset({"bert", "roberta", "distilbert", "xlm-roberta", "camembert", "mpnet", "electra"})
 DECODER_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
 T5_TYPES = frozenset({"t5", "mt5", "umt5"})
-FAMILY_POOLING = {"encoder": "cls", "decoder": "last", "t5": "mean"}
+FAMILY_POOLING: dict[str, Pooling] = {"encoder": "cls", "decoder": "last", "t5": "mean"}
 
 
 def model_family(config: PretrainedConfig) -> str:
@@ -52,7 +53,7 @@ def model_family(config: PretrainedConfig) -> str:
 class SentenceTransformerConfig:
     """What a sentence-transformers folder says about pooling, normalisation and length."""
 
-    pooling: str
+    pooling: Pooling
     normalize: bool
     max_seq_length: int | None
 
@@ -64,11 +65,12 @@ def read_sentence_transformer_config(path: Path) -> SentenceTransformerConfig | 
         return None
     modules = json.loads(modules_file.read_text())
     types = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
-    pooling = "cls"
+    pooling: Pooling = "cls"
     if "Pooling" in types:
         config = json.loads((path / types["Pooling"] / "config.json").read_text())
-        modes = [mode for key, mode in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
-                                         ("pooling_mode_lasttoken", "last")) if config.get(key)]
+        known: tuple[tuple[str, Pooling], ...] = (
+            ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"))
+        modes = [mode for key, mode in known if config.get(key)]
         others = [k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in (
             "pooling_mode_mean_tokens", "pooling_mode_cls_token", "pooling_mode_lasttoken")]
         if len(modes) != 1 or others:

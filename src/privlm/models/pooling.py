@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
-POOLINGS = ("mean", "cls", "last")
+Pooling = Literal["mean", "cls", "last"]
+POOLINGS: tuple[Pooling, ...] = ("mean", "cls", "last")
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from privlm.models.batching import map_in_length_order
 from privlm.models.client import TokenEmbedder
 from privlm.models.device import resolve_device
 from privlm.models.loading import FAMILY_POOLING, load_pretrained, model_family
-from privlm.models.pooling import POOLERS, POOLINGS
+from privlm.models.pooling import POOLERS, POOLINGS, Pooling
 
 log = logging.getLogger(__name__)
 _DEFAULT_MAX_LENGTH = 512
@@ -42,7 +43,7 @@ class SplitModel(TokenEmbedder):
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         *,
-        pooling: str = "auto",
+        pooling: Pooling | Literal["auto"] = "auto",
         normalize: bool = False,
         max_length: int | None = None,
         device: str | torch.device = "auto",
@@ -64,7 +65,8 @@ class SplitModel(TokenEmbedder):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path = "minilm", *, device: str | torch.device = "auto",
-                        pooling: str = "auto", dtype: torch.dtype = torch.float32) -> SplitModel:
+                        pooling: Pooling | Literal["auto"] = "auto", dtype: torch.dtype = torch.float32
+                        ) -> SplitModel:
         """Load ``"minilm"``, ``"smollm2"``, a local folder, or a HF id already in the local cache.
 
         A sentence-transformers folder brings its own pooling, normalisation and max length.

@@ -38,7 +38,7 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
     metrics = ServiceMetrics()
     app.state.metrics = metrics
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it also counts refusals
 
     @app.get("/health", tags=["service"])
@@ -66,9 +66,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BudgetExhaustedError)
     async def budget_exhausted(_: Request, error: BudgetExhaustedError) -> JSONResponse:
+        # x-should-retry: false tells OpenAI's SDKs (and privlm's RetryPolicy) that waiting will not help.
+        headers = {"x-privlm-budget-remaining": f"{error.remaining:.6g}", "x-should-retry": "false"}
         return error_response(429, str(error), type="insufficient_quota", param=f"{error.unit} budget",
-                              code="budget_exhausted",
-                              headers={"x-privlm-budget-remaining": f"{error.remaining:.6g}"})
+                              code="budget_exhausted", headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_json(_: Request, error: RequestValidationError) -> JSONResponse:

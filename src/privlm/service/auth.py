@@ -37,18 +37,27 @@ class BearerKeys:
         """The principal: a hash of the caller's key, or ``anonymous`` on an open service."""
         if self.open:
             return ANONYMOUS
-        if credentials is None:
-            raise self._refusal()
-        digest = hashlib.sha256(credentials.credentials.encode()).digest()
+        if credentials is None or not self.accepts(credentials.credentials):
+            raise self.refusal()
+        return principal_of_key(credentials.credentials)
+
+    def accepts(self, key: str) -> bool:
+        """Whether ``key`` is one of the accepted keys (always True on an open service)."""
+        if self.open:
+            return True
+        digest = hashlib.sha256(key.encode()).digest()
         matched = False
         for accepted in self._digests:  # no early exit
             matched |= secrets.compare_digest(accepted, digest)
-        if not matched:
-            raise self._refusal()
-        return principal_of_key(credentials.credentials)
+        return matched
+
+    def accepts_header(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header value carries an accepted Bearer key."""
+        scheme, _, key = authorization.partition(" ")
+        return self.open or (scheme.lower() == "bearer" and self.accepts(key.strip()))
 
     @staticmethod
-    def _refusal() -> ServiceError:
+    def refusal() -> ServiceError:
         return ServiceError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                             type="authentication_error", code="invalid_api_key",
                             headers={"www-authenticate": "Bearer"})

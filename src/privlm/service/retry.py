@@ -33,8 +33,9 @@ class _BusyError(Exception):
 
 def final_response(response: httpx.Response) -> httpx.Response:
     """The response if it is final (2xx/3xx); a busy answer raises ``_BusyError`` (retried), a 4xx ``ValueError``
-    naming the server's message, a 5xx :class:`ServerError`."""
-    if response.status_code in RETRY_STATUSES:
+    naming the server's message, a 5xx :class:`ServerError`. ``x-should-retry: false`` (an exhausted privacy
+    budget, say) makes a busy status final."""
+    if response.status_code in RETRY_STATUSES and response.headers.get("x-should-retry") != "false":
         raise _BusyError(response)
     if 400 <= response.status_code < 500:
         try:

@@ -68,7 +68,7 @@ class DenoiserCard(_Strict):
     training_data: TrainingData
     validation: ValidationFigures
     provenance: dict[str, Any]
-    history: list[dict[str, float]]
+    history: list[dict[str, int | float]]  # steps stay integers
 
     @property
     def eta_range(self) -> tuple[float, float]:

@@ -12,7 +12,7 @@ serves concurrent callers. With a ledger, the whole call's release is checked an
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,14 +140,15 @@ class SnDEncoder:
         return torch.nn.functional.normalize(out, dim=-1) if self.model.normalize else out
 
     # --- one call -----------------------------------------------------------------------------------
-    def encode(self, texts: Sequence[str], *, batch_size: int | None = None) -> np.ndarray:
+    def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:
         """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
         return self.encode_with_report(texts, batch_size=batch_size).vectors
 
-    def encode_with_report(self, texts: Sequence[str] | Tokens, *, batch_size: int | None = None,
-                           principal: str = LOCAL_PRINCIPAL) -> Encoded:
-        """The embeddings and this call's report; ``texts`` may come tokenized already (``model.tokens``)."""
-        call = self.begin(texts, batch_size=batch_size, principal=principal)
+    def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
+                           principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> Encoded:
+        """The embeddings and this call's report; ``texts`` may come tokenized already (``model.tokens``).
+        ``truncation`` overrides the encoder's policy for this call ("count": cut and report, no warning)."""
+        call = self.begin(texts, batch_size=batch_size, principal=principal, truncation=truncation)
         out = np.empty((len(call.tokens), self.model.hidden_size), dtype=np.float32)
         with torch.inference_mode():
             for indices in call.batches:
@@ -155,15 +156,16 @@ class SnDEncoder:
                 out[indices] = self.denoise(private, self._release(call, private)).float().cpu().numpy()
         return Encoded(out, call.report)
 
-    def begin(self, texts: Sequence[str] | Tokens, *, batch_size: int | None = None,
-              principal: str = LOCAL_PRINCIPAL) -> EncodeCall:
+    def begin(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
+              principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> EncodeCall:
         """Check and tokenize every text once, warn about (or refuse) over-long ones, spend the release."""
         tokens = texts if isinstance(texts, Tokens) else self.model.tokens(texts)
         long = tokens.longer_than(self.model.max_length)
-        if long:
+        policy = truncation or self.truncation
+        if long and policy != "count":
             message = (f"{len(long)} of {len(tokens)} texts are longer than max_length={self.model.max_length} "
                        f"tokens (indices {long[:10]}{'...' if len(long) > 10 else ''})")
-            if self.truncation == "error":
+            if policy == "error":
                 raise ValueError(message + "; pass truncation='warn' to truncate them")
             warnings.warn(message + "; they were truncated", stacklevel=3)
         lengths = [min(n, self.model.max_length) for n in tokens.counts]
@@ -194,5 +196,5 @@ class PlainEncoder:
         self.batch_size = batch_size
         self.eta = float("inf")
 
-    def encode(self, texts: Sequence[str], *, batch_size: int | None = None) -> np.ndarray:
+    def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:
         return self.model.encode_texts(list(texts), batch_size=batch_size or self.batch_size).numpy()

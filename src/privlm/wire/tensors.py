@@ -19,8 +19,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 WireDType = Literal["float32", "float16"]
-SAFETENSORS = "application/x-safetensors"
-RAW = "application/octet-stream"
+WireFormat = Literal["application/x-safetensors", "application/octet-stream"]
+SAFETENSORS: WireFormat = "application/x-safetensors"
+RAW: WireFormat = "application/octet-stream"
 WIRE_DTYPES: tuple[WireDType, ...] = ("float32", "float16")
 FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
@@ -53,6 +54,7 @@ class SequenceBatch:
     embeddings: torch.Tensor  # (B, n, d) float, padding rows zero
     attention_mask: torch.Tensor  # (B, n) int64 of 0/1, right padding
     dtype: WireDType  # the dtype the client sent; the answer uses it too
+    format: WireFormat  # and its format
 
 
 def _check_shape(batch: int, tokens: int, dim: int, limits: Limits) -> None:
@@ -113,7 +115,7 @@ def _read_safetensors_sequences(body: bytes, limits: Limits) -> SequenceBatch:
     _check_shape(batch, tokens, dim, limits)
     mask = mask.long()
     _check_values(embeddings, mask)
-    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype)
+    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype, format=SAFETENSORS)
 
 
 def _read_raw_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> SequenceBatch:
@@ -138,7 +140,7 @@ def _read_raw_sequences(body: bytes, headers: Mapping[str, str], limits: Limits)
     embeddings = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
     mask = _mask_from_lengths(row_lengths, dims[1])
     _check_values(embeddings, mask)
-    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype)
+    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype, format=RAW)
 
 
 def read_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> SequenceBatch:
@@ -156,7 +158,7 @@ def read_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> S
 
 
 def write_sequences(embeddings: torch.Tensor, attention_mask: torch.Tensor, *, dtype: WireDType = "float32",
-                    fmt: str = SAFETENSORS) -> tuple[bytes, dict[str, str]]:
+                    fmt: WireFormat = SAFETENSORS) -> tuple[bytes, dict[str, str]]:
     """Client side: zero the padding rows (they carry nothing) and serialise with the headers to send."""
     keep = attention_mask.unsqueeze(-1).to(embeddings.dtype)
     values = (embeddings * keep).detach().to("cpu", FLOAT_DTYPES[dtype]).contiguous()
@@ -169,7 +171,7 @@ def write_sequences(embeddings: torch.Tensor, attention_mask: torch.Tensor, *, d
         "x-privlm-lengths": ",".join(str(int(n)) for n in lengths)}
 
 
-def write_rows(rows: torch.Tensor, *, dtype: WireDType, fmt: str) -> tuple[bytes, dict[str, str]]:
+def write_rows(rows: torch.Tensor, *, dtype: WireDType, fmt: WireFormat) -> tuple[bytes, dict[str, str]]:
     """A (B, d) answer in the client's dtype, as safetensors or raw little-endian bytes, with its headers."""
     tensor = rows.detach().to("cpu", FLOAT_DTYPES[dtype]).contiguous()
     if fmt == SAFETENSORS:

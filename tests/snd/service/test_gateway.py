@@ -193,3 +193,30 @@ def test_client_settings_are_checked_before_anything_is_downloaded():
         with pytest.raises(ValueError, match=next(k for k in bad if k != "eta" or len(bad) == 1)):
             Client("http://127.0.0.1:9", transport=transport, **bad)
     assert requests == []
+
+
+class CountingTokenizer:
+    """Delegates to a tokenizer and counts the calls that tokenize text."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_each_request_is_tokenized_once(tmp_path):
+    model = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "model"), device="cpu")
+    with serving(create_app(model, denoiser_dirs=[])) as server_url:
+        client = Client(server_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu", batch_size=2)
+        counting = client.model.tokenizer = CountingTokenizer(client.model.tokenizer)
+        with serving(create_gateway(client)) as gateway_url:
+            response = httpx.post(f"{gateway_url}/v1/embeddings",
+                                  json={"model": "x", "input": ["the cat sat", "a dog", "the mat", "a cat ran"]})
+        client.close()
+    assert response.status_code == 200 and len(response.json()["data"]) == 4
+    assert counting.calls == 1  # one tokenizer call for four texts in two batches

@@ -10,7 +10,7 @@ one :class:`privlm.service.RetryPolicy`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -25,7 +25,7 @@ from privlm.service import RetryPolicy, ServerError, download_bundle
 from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch
 from privlm.snd.service.bundle import BUNDLE_PATH, bundle_embedder, choose_denoiser
-from privlm.wire import RAW, SAFETENSORS, WIRE_DTYPES, WireDType, WireError, read_rows, write_sequences
+from privlm.wire import RAW, SAFETENSORS, WIRE_DTYPES, WireDType, WireError, WireFormat, read_rows, write_sequences
 
 ENCODE_PATH = "/v1/snd/encode"
 
@@ -39,7 +39,7 @@ class Client(SnDEncoder):
 
     def __init__(self, base_url: str, *, eta: float, denoiser: str | None = "auto", api_key: str | None = None,
                  cache_dir: str | Path | None = None, timeout: float = 30.0, retries: int = 5, backoff: float = 0.25,
-                 dtype: WireDType = "float32", wire_format: str = SAFETENSORS, batch_size: int = 32,
+                 dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
                  truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
                  device: str | torch.device = "auto", transport: httpx.BaseTransport | None = None,
                  ledger: Ledger | None = None) -> None:
@@ -89,7 +89,7 @@ class AsyncClient:
     def __init__(self, base_url: str, *, eta: float, max_concurrency: int = 4, timeout: float = 30.0,
                  api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
                  cache_dir: str | Path | None = None, retries: int = 5, backoff: float = 0.25,
-                 dtype: WireDType = "float32", wire_format: str = SAFETENSORS, batch_size: int = 32,
+                 dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
                  denoiser: str | None = "auto", truncation: TruncationPolicy = "warn",
                  generator: torch.Generator | None = None, device: str | torch.device = "auto",
                  ledger: Ledger | None = None) -> None:
@@ -110,11 +110,12 @@ class AsyncClient:
             response = await local.retry.acall(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers))
         return _answer(response).to(private.noisy.device)
 
-    async def encode_with_report(self, texts: Sequence[str] | Tokens, *, batch_size: int | None = None,
+    async def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
                                  principal: str = LOCAL_PRINCIPAL) -> Encoded:
         """The embeddings and this call's report; batches travel concurrently."""
         local = self.local
-        call = local.begin(texts, batch_size=batch_size, principal=principal)
+        # Tokenizing and the ledger's transaction block: they run in a worker thread, not on the event loop.
+        call = await asyncio.to_thread(local.begin, texts, batch_size=batch_size, principal=principal)
         privates = [local.privatize(call.tokens.subset(b), generator=call.generator) for b in call.batches]
         answers = await asyncio.gather(*(self._release(p) for p in privates))
         call.report.server_calls += len(answers) if local.needs_server else 0
@@ -123,7 +124,7 @@ class AsyncClient:
             out[indices] = local.denoise(private, e_n).float().cpu().numpy()
         return Encoded(out, call.report)
 
-    async def encode(self, texts: Sequence[str], *, batch_size: int | None = None) -> np.ndarray:
+    async def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:
         """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
         return (await self.encode_with_report(texts, batch_size=batch_size)).vectors
 

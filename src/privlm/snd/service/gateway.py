@@ -77,8 +77,8 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
         if request.dimensions is not None and request.dimensions != client.model.hidden_size:
             raise ServiceError(400, f"dimensions must be {client.model.hidden_size} for this model",
                                param="dimensions")
-        try:
-            tokens = client.model.tokens(texts)
+        try:  # in a worker thread: the tokenizer is serialised, and the event loop must not wait on it
+            tokens = await asyncio.to_thread(client.model.tokens, texts)
         except ValueError as error:
             raise ServiceError(400, str(error), param="input") from None
         too_long = tokens.longer_than(max_length)
@@ -87,7 +87,9 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
                                     "(start the gateway with --truncate to cut them instead)",
                                param="input", code="context_length_exceeded")
         try:
-            encoded = await asyncio.to_thread(client.encode_with_report, tokens, principal=principal)
+            # "count": cut texts are reported in the x-privlm-truncated header, not as a warning
+            encoded = await asyncio.to_thread(client.encode_with_report, tokens, principal=principal,
+                                              truncation="count")
         except ServerError as error:
             raise ServiceError(502, f"the SnD server failed: {error}", type="upstream_error") from None
         except ValueError as error:

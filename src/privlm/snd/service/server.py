@@ -60,7 +60,7 @@ def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None
         """Pooled embeddings (B, d) of privatized token embeddings (B, n, d), in the request's dtype and format."""
         sequences = read_sequences(await request.body(), request.headers, limits)
         pooled = await batcher.submit(sequences.embeddings, sequences.attention_mask)
-        content, headers = write_rows(pooled, dtype=sequences.dtype, fmt=request.headers["content-type"].split(";")[0])
+        content, headers = write_rows(pooled, dtype=sequences.dtype, fmt=sequences.format)
         return Response(content, headers=headers)
 
     app = create_service_app(title="privlm SnD server", routers=[router, bundle.router(BUNDLE_PATH)],
