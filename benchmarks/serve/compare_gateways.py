@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from pathlib import Path
 
 import openai
@@ -77,7 +78,8 @@ def main() -> None:
                     print(rows[-1], flush=True)
             finally:
                 stop(gateway, server)
-    payload = {"metadata": provenance(seed=0) | {"old_src": str(options.old_src), "requests_per_client": options.requests,
+    command = ["python", "benchmarks/serve/compare_gateways.py", *sys.argv[1:]]
+    payload = {"metadata": provenance(seed=0, command=command) | {"old_src": str(options.old_src), "requests_per_client": options.requests,
                                                  "sentences_per_request": serve_load.SENTENCES_PER_REQUEST},
                "rows": rows}
     options.out.write_text(json.dumps(payload, indent=2) + "\n")
