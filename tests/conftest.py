@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 P_THRESHOLD = 1e-6
 
 BAD_POSITIVE_REALS = [0, 0.0, -1, -0.5, float("nan"), float("inf"), float("-inf"), "1", None, True]
+
+
+def assert_draws_follow(draws: torch.Tensor, probabilities: torch.Tensor) -> None:
+    """Chi-square test, at the project's threshold, that sampled ids follow exact probabilities."""
+    from scipy import stats
+
+    n, size = draws.numel(), probabilities.numel()
+    observed = np.bincount(draws.flatten().numpy(), minlength=size)
+    assert stats.chisquare(observed, probabilities.double().numpy() * n).pvalue > P_THRESHOLD
 
 
 @pytest.fixture

@@ -1,10 +1,9 @@
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from privlm.mechanisms import ExponentialMechanism, exact_privacy_loss, exponential_log_probabilities
-from tests.conftest import BAD_POSITIVE_REALS, P_THRESHOLD
+from tests.conftest import BAD_POSITIVE_REALS, assert_draws_follow
 
 
 def test_probabilities_match_the_formula(generator):
@@ -21,10 +20,8 @@ def test_sampled_frequencies_match_exact_probabilities(generator):
     utility = torch.rand(25, generator=generator) * 3.0
     mechanism = ExponentialMechanism(epsilon=4.0, sensitivity=3.0)
     n = 200_000
-    draws = mechanism.sample(utility, num_samples=n, generator=generator)
-    observed = np.bincount(draws.numpy(), minlength=25)
-    expected = mechanism.probabilities(utility).numpy() * n
-    assert stats.chisquare(observed, expected).pvalue > P_THRESHOLD
+    assert_draws_follow(mechanism.sample(utility, num_samples=n, generator=generator),
+                        mechanism.probabilities(utility))
 
 
 def test_batched_rows_are_sampled_independently(generator):

@@ -136,22 +136,27 @@ def _resident_mib() -> float:
         return int(statm.read().split()[1]) * 4096 / 2**20
 
 
+class Upload:
+    """256 chunks of 1 MiB, sent lazily (chunked transfer); ``sent`` counts the chunks the client produced."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __iter__(self):
+        for _ in range(256):
+            self.sent += 1
+            yield b"x" * (1 << 20)
+
+
 def test_an_oversized_chunked_upload_is_refused_at_the_limit_with_flat_memory(url):
     """256 MiB sent chunked to a 1 MiB limit: refused once the limit is crossed; the server (this process)
     grows by less than 16 MiB."""
-    sent = 0
-
-    def chunks():
-        nonlocal sent
-        for _ in range(256):
-            sent += 1
-            yield b"x" * (1 << 20)
-
+    upload = Upload()
     before = _resident_mib()
-    response = httpx.post(url + "/echo", content=chunks(), headers=_auth(), timeout=60)
+    response = httpx.post(url + "/echo", content=iter(upload), headers=_auth(), timeout=60)
     assert response.status_code == 413
     assert _resident_mib() - before < 16
-    assert sent < 64  # the upload was cut off long before its end
+    assert upload.sent < 64  # the upload was cut off long before its end
 
 
 def test_metrics_count_requests_by_route_and_status(url):
@@ -240,16 +245,9 @@ def test_a_body_without_an_accepted_key_is_refused_before_it_is_read(url):
         sock.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n" + b"x" * 100)
         answer = sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer
-    sent = 0
-
-    def chunks():
-        nonlocal sent
-        for _ in range(256):
-            sent += 1
-            yield b"x" * (1 << 20)
-
-    refused = httpx.post(url + "/echo", content=chunks(), headers=_auth("wrong"), timeout=60)
-    assert refused.status_code == 401 and sent < 64  # cut off long before its 256 MiB
+    upload = Upload()
+    refused = httpx.post(url + "/echo", content=iter(upload), headers=_auth("wrong"), timeout=60)
+    assert refused.status_code == 401 and upload.sent < 64  # cut off long before its 256 MiB
 
 
 def test_an_exhausted_budget_is_final_for_clients(url):
