@@ -124,6 +124,9 @@ def test_over_long_texts_warn_with_a_count_or_raise(trained, tiny):
     strict = SnDEncoder(tiny, eta=5.0, denoiser=out, truncation="error")
     with pytest.raises(ValueError, match="longer than max_length"):
         strict.encode(["a dog", long_text])
+    assert strict.encode_with_report(["a dog", long_text], truncation="count").report.truncated == 1  # no warning
+    with pytest.raises(ValueError, match="truncation"):
+        strict.encode_with_report(["a dog"], truncation="sometimes")
 
 
 def test_local_only_variant_never_calls_the_server(tiny, corpus, tmp_path):

@@ -24,6 +24,7 @@ from privlm.accounting import Ledger, Receipt
 from privlm.mechanisms import NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
 from privlm.models.batching import length_sorted_batches
+from privlm.models.client import TRUNCATION_POLICIES
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
 from privlm.snd.card import DenoiserCard
 from privlm.snd.denoiser import Denoiser
@@ -161,7 +162,7 @@ class SnDEncoder:
         """Check and tokenize every text once, warn about (or refuse) over-long ones, spend the release."""
         tokens = texts if isinstance(texts, Tokens) else self.model.tokens(texts)
         long = tokens.longer_than(self.model.max_length)
-        policy = truncation or self.truncation
+        policy = check_choice("truncation", truncation or self.truncation, TRUNCATION_POLICIES)
         if long and policy != "count":
             message = (f"{len(long)} of {len(tokens)} texts are longer than max_length={self.model.max_length} "
                        f"tokens (indices {long[:10]}{'...' if len(long) > 10 else ''})")
