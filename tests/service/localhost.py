@@ -7,11 +7,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from privlm.service.process import free_port
+from privlm.service.serving import service_config
 
 
 @contextmanager
@@ -32,6 +34,23 @@ def serving(app: FastAPI, port: int | None = None, *, delay: float = 0.0) -> Ite
             time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+@contextmanager
+def serving_guarded(app: FastAPI, **limits: Any) -> Iterator[str]:
+    """Like :func:`serving`, on the server ``privlm serve`` and ``privlm gateway`` run
+    (:func:`privlm.service.serving.service_config`: header timeout, cap on connections); ``limits`` go to it."""
+    server = uvicorn.Server(service_config(app, host="127.0.0.1", port=free_port(), **limits))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
     finally:
         server.should_exit = True
         thread.join(timeout=20)

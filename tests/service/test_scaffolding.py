@@ -66,7 +66,7 @@ def _error(response):
     return body["error"]
 
 
-def test_every_error_has_openai_shape(url):
+def test_finding_9_every_error_has_openai_shape(url):
     cases = [("/fail/service", 418, "invalid_request_error", "kind", "teapot"),
              ("/fail/wire", 413, "invalid_request_error", "max_batch", "limit_exceeded"),
              ("/fail/budget", 429, "insufficient_quota", "epsilon budget", "budget_exhausted"),
@@ -95,7 +95,7 @@ def test_keys_guard_every_route_but_health(url):
         assert httpx.post(url + "/echo", content=b"abc", headers=_auth(key)).json() == {"bytes": 3}
 
 
-def test_keys_are_compared_against_every_key_in_constant_time(monkeypatch):
+def test_finding_5_keys_are_compared_against_every_key_in_constant_time(monkeypatch):
     calls = []
     real = secrets.compare_digest
     monkeypatch.setattr(secrets, "compare_digest", lambda a, b: calls.append(len(a)) or real(a, b))
@@ -113,12 +113,12 @@ def test_keys_are_compared_against_every_key_in_constant_time(monkeypatch):
 
 
 @pytest.mark.parametrize("keys", [[""], ["ok", "  "]])
-def test_empty_keys_are_refused_at_start_up(keys):
+def test_finding_5_empty_keys_are_refused_at_start_up(keys):
     with pytest.raises(ValueError, match="empty key"):
         BearerKeys(keys)
 
 
-def test_body_limit_holds_whatever_content_length_says(url):
+def test_finding_3_body_limit_holds_whatever_content_length_says(url):
     assert httpx.post(url + "/echo", content=b"x" * LIMIT, headers=_auth()).json() == {"bytes": LIMIT}
     declared = httpx.post(url + "/echo", content=b"x" * (LIMIT + 1), headers=_auth())
     assert declared.status_code == 413 and _error(declared)["param"] == "max_request_bytes"
@@ -148,7 +148,7 @@ class Upload:
             yield b"x" * (1 << 20)
 
 
-def test_an_oversized_chunked_upload_is_refused_at_the_limit_with_flat_memory(url):
+def test_finding_3_an_oversized_chunked_upload_is_refused_at_the_limit_with_flat_memory(url):
     """256 MiB sent chunked to a 1 MiB limit: refused once the limit is crossed; the server (this process)
     grows by less than 16 MiB."""
     upload = Upload()
@@ -206,12 +206,12 @@ def test_one_retry_policy_for_sync_and_async_clients(driver):
 
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../b", "a//b", ".", "..", "a\\b", "x" * 200, "",
                                   "tokenizer/../../.bashrc", "a/b/c/d/e", "~/x", "a/./b", "...", 7])
-def test_unsafe_bundle_file_names_are_refused(name):
+def test_finding_1_unsafe_bundle_file_names_are_refused(name):
     with pytest.raises(ServerError):
         check_file_name(name)
 
 
-def test_bundles_download_by_name_verify_and_stay_in_their_folder(tmp_path):
+def test_finding_1_bundles_download_by_name_verify_and_stay_in_their_folder(tmp_path):
     bundle = Bundle(format="toy/1")
     bundle.add("model.json", b"{}")
     bundle.add("tokenizer/vocab.txt", b"a\nb\n")
@@ -236,7 +236,7 @@ def test_bundles_download_by_name_verify_and_stay_in_their_folder(tmp_path):
         download_bundle(manifest, lambda name: b"tampered", tmp_path / "other", namespace="toy")
 
 
-def test_a_body_without_an_accepted_key_is_refused_before_it_is_read(url):
+def test_finding_3_a_body_without_an_accepted_key_is_refused_before_it_is_read(url):
     """The 401 comes back while the client is still holding most of its declared body: nothing was buffered."""
     import socket
 

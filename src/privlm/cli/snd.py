@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
 from privlm.cli.app import app, bench_app, console, parse_levels, parse_list
+
+if TYPE_CHECKING:
+    from privlm.service import ServiceOptions
+
+_Keys = TypeVar("_Keys")
 
 snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
 app.add_typer(snd_app, name="snd")
@@ -92,6 +98,36 @@ def bench_serve(
     console.print(f"Wrote {', '.join(str(f) for f in files)}")
 
 
+@bench_app.command("hardening")
+def bench_hardening(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/hardening"),
+    source: Annotated[Path | None, typer.Option(help="Run the server and the gateway from this checkout's src "
+                                                     "(a git worktree of an older commit, say); default: this "
+                                                     "privlm.")] = None,
+    label: Annotated[str, typer.Option(help="A label for the results, e.g. before or after.")] = "",
+    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: a 32 MiB upload, a 9 MiB body, 16 "
+                                                        "inputs; seconds instead of minutes.")] = False,
+    upload_mib: Annotated[int | None, typer.Option(help="Chunked upload to the server (default 1024).")] = None,
+    cap_s: Annotated[float | None, typer.Option(help="The longest any one case is waited for (default 200).")
+                     ] = None,
+) -> None:
+    """Memory and latency under issue 10's abuses: chunked bodies over the limits (server and gateway), and a
+    one-text request's latency while another caller's maximum-size request runs."""
+    from privlm.eval.sweeps.hardening import QUICK, HardeningRun, HardeningSizes, run_hardening, with_overrides
+
+    if source is not None and not (source / "src" / "privlm").is_dir():
+        raise typer.BadParameter(f"{source} has no src/privlm", param_hint="--source")
+    try:
+        sizes = with_overrides(QUICK if quick else HardeningSizes(), upload_mib=upload_mib, cap_s=cap_s)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_hardening(HardeningRun(out_dir=out, model=model, source=source, label=label, sizes=sizes,
+                                       log=console.print))
+    console.print((out / "results.md").read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
 
 
 @snd_app.command("train")
@@ -159,43 +195,63 @@ def serve(
     model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
-    api_key: Annotated[list[str] | None, typer.Option(help="Accepted Bearer key (repeatable); none: open.")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Accepted Bearer key (repeatable). Other users see it "
+                                                           "in the process list: prefer --api-key-file or "
+                                                           "$PRIVLM_API_KEYS (commas or newlines). No key from "
+                                                           "any of them: open.")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="File of accepted Bearer keys, one per line (# comments); "
+                                                           "refused if every user can read it.")] = None,
     denoiser: Annotated[list[Path] | None, typer.Option(help="Denoiser folders to offer (default: shipped).")] = None,
     max_batch_rows: Annotated[int, typer.Option(help="Micro-batch size bound (sentences).")] = 64,
     max_wait_ms: Annotated[float, typer.Option(help="Micro-batch wait bound.")] = 5.0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm[ray]).")] = False,
+    ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm\\[ray]).")] = False,
     replicas: Annotated[int, typer.Option(help="With --ray: number of replicas.")] = 1,
     replica_cpus: Annotated[float, typer.Option(help="With --ray: CPUs reserved per replica.")] = 1.0,
     ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")] = None,
+    max_in_flight: Annotated[int, typer.Option(help="Requests with a body read or processed at once; more get a "
+                                                    "503 to retry (memory: this times the largest request).")] = 32,
+    docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")
+                    ] = False,
+    allow_keyless: Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
+                                                                        "than loopback, to anyone.")] = False,
 ) -> None:
     """The vendor's SnD server: noisy token embeddings in, pooled embeddings out. Never sees text."""
-    if ray:
-        _serve_with_ray(model=model, host=host, port=port, api_keys=api_key or (), denoiser_dirs=denoiser,
-                        max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms, device=device, replicas=replicas,
-                        replica_cpus=replica_cpus, address=ray_address)
-        return
-    import uvicorn
+    from privlm.service.auth import API_KEYS_ENV
 
+    keys = _load_keys(api_key, api_key_file, API_KEYS_ENV)
+    service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
+                               max_in_flight=max_in_flight)
+    if ray:
+        # The replicas read the key file themselves: its keys are not handed to Ray, which stores arguments.
+        passed = _load_keys(api_key, None, API_KEYS_ENV)
+        _serve_with_ray(model=model, host=host, port=port, api_keys=passed,
+                        api_key_file=api_key_file.resolve() if api_key_file else None, denoiser_dirs=denoiser,
+                        max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms, device=device, replicas=replicas,
+                        replica_cpus=replica_cpus, address=ray_address, service=service)
+        return
     from privlm.models import SplitModel
+    from privlm.service import run_service
     from privlm.snd.service.server import create_app
 
     split_model = SplitModel.from_pretrained(model, device=device)
-    app_ = create_app(split_model, denoiser_dirs=denoiser or None, api_keys=api_key or (),
-                      max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms)
-    uvicorn.run(app_, host=host, port=port, log_level="warning")
+    app_ = create_app(split_model, denoiser_dirs=denoiser or None, api_keys=keys,
+                      max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms, **service)
+    run_service(app_, host=host, port=port)
 
 
 def _serve_with_ray(*, model: str, host: str, port: int, api_keys: list[str] | tuple[str, ...],
-                    denoiser_dirs: list[Path] | None, max_batch_rows: int, max_wait_ms: float, device: str,
-                    replicas: int, replica_cpus: float, address: str | None) -> None:
+                    api_key_file: Path | None, denoiser_dirs: list[Path] | None, max_batch_rows: int,
+                    max_wait_ms: float, device: str,
+                    replicas: int, replica_cpus: float, address: str | None, service: ServiceOptions) -> None:
     try:
         from privlm.snd.service.ray import run_blocking, snd_application
     except ImportError as error:
         raise typer.BadParameter(str(error), param_hint="--ray") from None
     application = snd_application(model, replicas=replicas, replica_cpus=replica_cpus, denoiser_dirs=denoiser_dirs,
-                                  api_keys=api_keys, max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms,
-                                  device="cpu" if device == "auto" else device)
+                                  api_keys=api_keys, api_key_file=api_key_file, max_batch_rows=max_batch_rows,
+                                  max_wait_ms=max_wait_ms, device="cpu" if device == "auto" else device,
+                                  service=service)
     run_blocking(application, host=host, port=port, name="privlm-snd", address=address)
 
 
@@ -205,34 +261,106 @@ def gateway(
     eta: Annotated[float, typer.Option(help="Privacy level: eta * d_chi-privacy per token.")],
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8001,
-    server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server.")] = None,
-    api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable).")] = None,
+    server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server. Other users see it in the "
+                                                            "process list: prefer --server-api-key-file or "
+                                                            "$PRIVLM_SERVER_API_KEY.")] = None,
+    server_api_key_file: Annotated[Path | None, typer.Option(help="File holding the key for the remote server "
+                                                                  "(one line; # comments).")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable); prefer "
+                                                           "--api-key-file or $PRIVLM_GATEWAY_API_KEYS (commas or "
+                                                           "newlines). No key from any of them: open.")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="File of keys this gateway accepts, one per line "
+                                                           "(# comments).")] = None,
     denoiser: Annotated[str, typer.Option(help="auto, a denoiser name from the bundle, or none.")] = "auto",
     truncate: Annotated[bool, typer.Option("--truncate", help="Cut over-long texts instead of refusing them.")] = False,
+    max_request_tokens: Annotated[int, typer.Option(help="Most tokens one request may carry (OpenAI's cap by "
+                                                         "default).")] = 300_000,
     budget: Annotated[float | None, typer.Option(help="Privacy budget per API key, in eta-tokens (eta summed over "
                                                       "every token row released); none: unlimited.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: one per server model, "
                                                      "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
+    docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")
+                    ] = False,
+    allow_keyless: Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
+                                                                        "than loopback, to anyone.")] = False,
 ) -> None:
     """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
-    import uvicorn
-
     from privlm.accounting import Ledger
     from privlm.mechanisms import PrivacyUnit
     from privlm.models.sources import cache_dir
+    from privlm.service import run_service
+    from privlm.service.auth import GATEWAY_API_KEYS_ENV
     from privlm.snd import Client
     from privlm.snd.service.gateway import create_gateway
 
+    keys = _load_keys(api_key, api_key_file, GATEWAY_API_KEYS_ENV)
+    service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs)
+    server_key = _load_server_key(server_api_key, server_api_key_file)
     if budget is not None and not (budget > 0 and budget != float("inf")):
         raise typer.BadParameter(f"must be finite and > 0, got {budget}", param_hint="--budget")
     if ledger is not None and budget is None:
         raise typer.BadParameter("a ledger needs a budget", param_hint="--budget")
-    client = Client(server, eta=eta, api_key=server_api_key, denoiser=None if denoiser == "none" else denoiser)
+    client = Client(server, eta=eta, api_key=server_key, denoiser=None if denoiser == "none" else denoiser)
     if budget is not None:
         # One ledger per embedding space by default: eta-tokens of different models bound different distances.
         path = ledger or cache_dir() / f"ledger-snd-{client.model.fingerprint[:16]}.sqlite"
         client.ledger = Ledger(path, budgets={PrivacyUnit.ETA_TOKEN: budget})
-        shared = "" if api_key else " (no --api-key: every caller shares one budget)"
+        shared = "" if keys else " (no --api-key: every caller shares one budget)"
         console.print(f"Budget: {budget:g} eta-tokens per API key{shared}, ledger {path}")
-    uvicorn.run(create_gateway(client, api_keys=api_key or (), truncate=truncate), host=host, port=port,
-                log_level="warning")
+    run_service(create_gateway(client, api_keys=keys, truncate=truncate, max_request_tokens=max_request_tokens,
+                               **service), host=host, port=port)
+
+
+def _service_options(*, host: str, keys: tuple[str, ...], allow_keyless: bool, docs: bool,
+                     max_in_flight: int | None = None) -> ServiceOptions:
+    """The app's options from the flags. A service without keys bound beyond loopback is refused unless
+    ``--allow-keyless``; with it, the service answers any ``Host`` (its loopback-only check would refuse
+    every remote caller)."""
+    from privlm.service import ServiceOptions
+    from privlm.service.hosts import ANY_HOST, is_loopback
+
+    options = ServiceOptions(docs=docs)
+    if max_in_flight is not None:
+        if max_in_flight < 1:
+            raise typer.BadParameter(f"must be >= 1, got {max_in_flight}", param_hint="--max-in-flight")
+        options["max_in_flight"] = max_in_flight
+    if not keys and not is_loopback(host):
+        if not allow_keyless:
+            raise typer.BadParameter(
+                f"{host} is reachable from other machines and no API key is set, so anyone who reaches it could "
+                "use the service. Give keys (--api-key-file, the environment variable or --api-key), bind to "
+                "127.0.0.1, or pass --allow-keyless to serve it open on purpose.", param_hint="--host")
+        typer.echo(f"Warning: serving without API keys on {host} (--allow-keyless): anyone who reaches it can use "
+                   "it.", err=True)
+        options["allowed_hosts"] = [ANY_HOST]
+    return options
+
+
+def _load_keys(keys: list[str] | None, key_file: Path | None, env_var: str) -> tuple[str, ...]:
+    """The accepted keys from the command line, a file and ``env_var``; a bad source is a usage error."""
+    from privlm.service.auth import load_keys
+
+    return _keys_or_usage_error(lambda: load_keys(keys or (), key_file=key_file, env_var=env_var))
+
+
+def _load_server_key(key: str | None, key_file: Path | None) -> str | None:
+    from privlm.service.auth import SERVER_API_KEY_ENV, load_key
+
+    return _keys_or_usage_error(lambda: load_key(key, key_file=key_file, env_var=SERVER_API_KEY_ENV))
+
+
+def _keys_or_usage_error(load: Callable[[], _Keys]) -> _Keys:
+    """``load()``, with a key source's error as a usage error (no traceback) and its warnings on stderr."""
+    import warnings
+
+    from privlm.service.auth import KeySourceError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loaded = load()
+        except KeySourceError as error:
+            raise typer.BadParameter(error.problem, param_hint=error.source) from None
+    for warning in caught:
+        typer.echo(f"Warning: {warning.message}", err=True)
+    return loaded

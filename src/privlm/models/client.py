@@ -62,12 +62,19 @@ class TokenBatch:
 
 
 def check_texts(texts: object) -> None:
-    """A non-empty list of non-blank strings, or a ValueError that names the bad item."""
+    """A non-empty list of non-blank strings that are valid Unicode, or a ValueError that names the bad
+    item by its index (never by its content: messages may travel to logs and error answers)."""
     if isinstance(texts, str) or not isinstance(texts, Sequence) or len(texts) == 0:
         raise ValueError("texts must be a non-empty list of strings")
     for i, text in enumerate(texts):
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"texts[{i}] is empty or not a string: {text!r}")
+        if not isinstance(text, str):
+            raise ValueError(f"texts[{i}] is not a string but {type(text).__name__}")
+        if not text.strip():
+            raise ValueError(f"texts[{i}] is empty or blank")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone UTF-16 surrogate: JSON can carry it, no tokenizer can read it
+            raise ValueError(f"texts[{i}] is not valid Unicode (it holds a lone surrogate code point)") from None
 
 
 # Architecture fields that define a model's shape (whichever of them a config has). Loader-added
@@ -137,7 +144,22 @@ class TokenEmbedder:
         tokenizer = self.require_tokenizer()
         with self._tokenizer_lock:
             ids = tokenizer(list(texts), truncation=False)["input_ids"]
+        empty = [i for i, row in enumerate(ids) if not row]
+        if empty:
+            raise ValueError(f"texts{empty[:10]} have no tokens at all; nothing to embed")
         return Tokens(texts=tuple(texts), ids=tuple(tuple(row) for row in ids))
+
+    def with_unknown_tokens(self, tokens: Tokens) -> list[int]:
+        """Indices of the texts with at least one unknown token (over-long words, unseen characters)."""
+        unknown = self.require_tokenizer().unk_token_id
+        return [] if unknown is None else [i for i, ids in enumerate(tokens.ids) if unknown in ids]
+
+    def without_content(self, tokens: Tokens) -> list[int]:
+        """Indices of the texts that are special tokens only (say, only zero-width characters): their
+        embedding says nothing about the text."""
+        tokenizer = self.require_tokenizer()
+        special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # [UNK] stands for some text
+        return [i for i, ids in enumerate(tokens.ids) if all(t in special for t in ids)]
 
     def content_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """Every text's ids without the tokenizer's special tokens (no [CLS]/[SEP]), untruncated."""

@@ -7,8 +7,11 @@ model adds position/type embeddings itself) and applies the family's pooling.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -78,6 +81,18 @@ class SplitModel(TokenEmbedder):
             pooling = st.pooling
         return cls(loaded.model, loaded.tokenizer, pooling=pooling, normalize=bool(st and st.normalize),
                    max_length=st.max_seq_length if st else None, device=resolved, name=str(name_or_path))
+
+    @cached_property
+    def weights_fingerprint(self) -> str:
+        """sha256 of everything the server half computes with: every parameter and buffer (fp32 bytes, by
+        name), the pooling, normalisation and max length. Two servers with equal weights fingerprints
+        give the same answers; ``fingerprint`` (the embedding rows) is what a client can check itself."""
+        digest = hashlib.sha256(self.fingerprint.encode())
+        digest.update(json.dumps([self.pooling, self.normalize, self.max_length]).encode())
+        for name, tensor in sorted(self.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
 
     # --- server side ------------------------------------------------------------------------
     def encode(self, token_embeddings: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,21 @@ It gives a FastAPI app:
   - one error model in OpenAI's shape for every error: the service's own (:class:`ServiceError`),
     malformed tensors (``WireError``), exhausted privacy budgets (429), invalid JSON (400), unknown
     routes, and anything unexpected (a 500 that names no internals);
-  - ``GET /health`` (open, for load balancers) and ``GET /metrics`` (Prometheus text).
+  - ``GET /health`` (open, for load balancers) and ``GET /metrics`` (Prometheus text);
+  - on a service without keys, answers only for loopback ``Host`` names, against DNS rebinding
+    (:mod:`privlm.service.hosts`; ``allowed_hosts`` adds others);
+  - ``GET /openapi.json``; the Swagger UI (``/docs``) and ReDoc (``/redoc``) pages, which load their
+    scripts from a CDN, only with ``docs=True``.
+
+``body_timeout`` and ``max_in_flight`` bound slow and concurrent bodies (:mod:`privlm.service.limits`);
+:func:`privlm.service.run_service` adds the transport's limits (header timeout, open connections).
+A system's factory takes the same options as ``**options: Unpack[ServiceOptions]`` and passes them on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,37 +28,60 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import BudgetExhaustedError
 from privlm.service.auth import BearerKeys
 from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response
-from privlm.service.limits import BodyLimitMiddleware
+from privlm.service.hosts import ANY_HOST, HostCheckMiddleware
+from privlm.service.limits import BODY_TIMEOUT, MAX_IN_FLIGHT, BodyLimitMiddleware
 from privlm.service.metrics import RequestMetricsMiddleware, ServiceMetrics
 from privlm.wire import WireError
 
 Lifespan = Callable[[FastAPI], Any]
 
 
+class ServiceOptions(TypedDict, total=False):
+    """The options of :func:`create_service_app` that a system's factory passes on unchanged."""
+
+    docs: bool
+    allowed_hosts: Sequence[str] | None
+    max_in_flight: int
+    body_timeout: float
+
+
 def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: BearerKeys, max_request_bytes: int,
                        health: Callable[[], Mapping[str, object]] = dict, lifespan: Lifespan | None = None,
-                       version: str = "1") -> FastAPI:
-    """A service with the system's ``routers`` behind ``auth``; ``health`` adds facts to ``/health``."""
-    app = FastAPI(title=title, version=version, lifespan=lifespan, responses=ERROR_RESPONSES)
+                       version: str = "1", docs: bool = False, allowed_hosts: Sequence[str] | None = None,
+                       max_in_flight: int = MAX_IN_FLIGHT, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+    """A service with the system's ``routers`` behind ``auth``; ``health`` adds facts to ``/health``.
+
+    ``docs``: serve ``/docs`` and ``/redoc``. ``allowed_hosts``: ``Host`` names answered besides loopback
+    ones (``"*"``: any); by default none on an open service, any on one with keys. ``max_in_flight`` and
+    ``body_timeout``: see :mod:`privlm.service.limits`.
+    """
+    check_positive_int("max_in_flight", max_in_flight)
+    check_positive_finite("body_timeout", body_timeout)
+    app = FastAPI(title=title, version=version, lifespan=lifespan, responses=ERROR_RESPONSES,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     metrics = ServiceMetrics()
     app.state.metrics = metrics
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth, body_timeout=body_timeout,
+                       max_in_flight=max_in_flight)
+    hosts = list(allowed_hosts) if allowed_hosts is not None else [] if auth.open else [ANY_HOST]
+    app.add_middleware(HostCheckMiddleware, allowed_hosts=hosts)  # before any body is read or key checked
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it also counts refusals
 
     @app.get("/health", tags=["service"])
     async def health_check() -> dict[str, object]:
         return {"status": "ok", **health()}
 
-    @app.get("/metrics", tags=["service"], dependencies=[Depends(auth)], response_class=Response)
+    @app.get("/metrics", tags=["service"], dependencies=[Depends(auth.dependency)], response_class=Response)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     for router in routers:
-        app.include_router(router, dependencies=[Depends(auth)])
+        app.include_router(router, dependencies=[Depends(auth.dependency)])
     return app
 
 

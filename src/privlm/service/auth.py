@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import secrets
-from collections.abc import Sequence
+import stat
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends
@@ -15,6 +20,9 @@ from privlm.service.errors import ServiceError
 
 ANONYMOUS = "anonymous"
 _bearer = HTTPBearer(auto_error=False, description="privlm API key")
+# What an API key may hold: visible ASCII, no whitespace. Anything else could not be sent, or would be
+# altered on the way (header values are latin-1, stripped), and so could never match.
+_KEY_CHARACTERS = re.compile(r"[\x21-\x7e]+")
 
 
 class BearerKeys:
@@ -27,6 +35,8 @@ class BearerKeys:
     def __init__(self, keys: Sequence[str] = ()) -> None:
         if any(not isinstance(key, str) or not key.strip() for key in keys):
             raise ValueError("api keys must be non-empty strings; an empty key would leave the service open")
+        if any(not _KEY_CHARACTERS.fullmatch(key) for key in keys):
+            raise ValueError("api keys must be visible ASCII without spaces; another key could never match")
         self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
 
     @property
@@ -41,6 +51,12 @@ class BearerKeys:
             raise self.refusal()
         return principal_of_key(credentials.credentials)
 
+    @property
+    def dependency(self) -> Callable[..., str]:
+        """What routes depend on for the principal. On an open service it asks for no credentials, so its
+        OpenAPI document declares no security scheme it would not enforce."""
+        return _anonymous if self.open else self
+
     def accepts(self, key: str) -> bool:
         """Whether ``key`` is one of the accepted keys (always True on an open service)."""
         if self.open:
@@ -51,13 +67,144 @@ class BearerKeys:
             matched |= secrets.compare_digest(accepted, digest)
         return matched
 
-    def accepts_header(self, authorization: str) -> bool:
-        """Whether an ``Authorization`` header value carries an accepted Bearer key."""
-        scheme, _, key = authorization.partition(" ")
-        return self.open or (scheme.lower() == "bearer" and self.accepts(key.strip()))
+    def accepts_header(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries an accepted Bearer key (see :func:`bearer_key`)."""
+        if self.open:
+            return True
+        key = bearer_key(authorization)
+        return key is not None and self.accepts(key)
 
     @staticmethod
     def refusal() -> ServiceError:
         return ServiceError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                             type="authentication_error", code="invalid_api_key",
                             headers={"www-authenticate": "Bearer"})
+
+
+def _anonymous() -> str:
+    return ANONYMOUS
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization`` header value by RFC 6750 (section 2.1): ``Bearer <key>``, the scheme
+    in any case. None for no header, a bare key, another scheme (``Basic ...``) or no key.
+
+    It splits the value as FastAPI's ``HTTPBearer`` (which guards the routes) does, so the body-limit
+    middleware, which checks the key before the body is read, and the routes agree on every header.
+    """
+    if not authorization:
+        return None
+    scheme, _, key = authorization.partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+# Where the commands read keys from the environment: the keys `privlm serve` accepts, those `privlm gateway`
+# accepts (another variable, so that a shell that runs both does not hand the server's keys to the gateway),
+# and the key the gateway sends to its server.
+API_KEYS_ENV = "PRIVLM_API_KEYS"
+GATEWAY_API_KEYS_ENV = "PRIVLM_GATEWAY_API_KEYS"
+SERVER_API_KEY_ENV = "PRIVLM_SERVER_API_KEY"
+KEY_ENV_VARS = (API_KEYS_ENV, GATEWAY_API_KEYS_ENV, SERVER_API_KEY_ENV)
+
+
+class KeySourceError(ValueError):
+    """A source of API keys that is empty, unreadable or unsafe; ``source`` names it. Never quotes a key."""
+
+    def __init__(self, source: str, problem: str) -> None:
+        super().__init__(f"{source}: {problem}")
+        self.source, self.problem = source, problem
+
+
+class InsecureKeyFileWarning(UserWarning):
+    """A key file that the members of its group can read."""
+
+
+def _check_key(key: str, source: str, where: str = "") -> str:
+    what = f"{where} " if where else ""
+    if not isinstance(key, str) or not key.strip():
+        raise KeySourceError(source, f"{what}is empty; an empty key would leave the service open")
+    if not _KEY_CHARACTERS.fullmatch(key.strip()):
+        raise KeySourceError(source, f"{what}holds a space, a control or a non-ASCII character; keys are visible "
+                                     "ASCII (the key itself is not shown)")
+    return key.strip()
+
+
+def parse_keys(text: str, source: str) -> tuple[str, ...]:
+    """Keys separated by commas or newlines, surrounding blanks ignored. Nothing at all, or an empty item
+    between separators, is an error naming ``source``: an empty key never means an open service."""
+    if not text.strip():
+        raise KeySourceError(source, "is empty; an empty key would leave the service open")
+    items = re.split(r"[,\n]", text.strip())
+    return tuple(_check_key(item, source, f"key {i}" if len(items) > 1 else "") for i, item in enumerate(items, 1))
+
+
+def read_key_file(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The keys of a file, one per line; blank lines and lines starting with ``#`` are ignored.
+
+    A missing or unreadable file, a file with no key, or a file every user can read is refused
+    (:class:`KeySourceError`); a file its group can read is accepted with an :class:`InsecureKeyFileWarning`.
+    """
+    source = f"key file {os.fspath(path)}"
+    try:
+        mode = os.stat(path).st_mode
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KeySourceError(source, "does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+        raise KeySourceError(source, f"cannot be read ({reason})") from None
+    if os.name == "posix" and mode & stat.S_IROTH:
+        raise KeySourceError(source, f"is readable by every user (mode {stat.S_IMODE(mode):o}); "
+                                     f"`chmod 600 {os.fspath(path)}`, or let systemd's LoadCredential= hand it over")
+    if os.name == "posix" and mode & stat.S_IRGRP:
+        warnings.warn(f"{source} is readable by its group (mode {stat.S_IMODE(mode):o}); `chmod 600` it",
+                      InsecureKeyFileWarning, stacklevel=2)
+    lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1)]
+    keys = [_check_key(line, source, f"line {number}") for number, line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise KeySourceError(source, "holds no key (only blank lines and # comments); an empty key file would "
+                                     "leave the service open")
+    return tuple(keys)
+
+
+def load_keys(keys: Iterable[str] = (), *, key_file: str | os.PathLike[str] | None = None,
+              env_var: str | None = None, environ: Mapping[str, str] | None = None,
+              option: str = "--api-key") -> tuple[str, ...]:
+    """The accepted keys of a service, from every source given, together (duplicates dropped, order kept).
+
+    ``keys`` come from the command line (named ``option`` in errors; other users can read a process's
+    command line, so prefer the other two), ``key_file`` holds one key per line (:func:`read_key_file`),
+    and the environment variable ``env_var`` (of ``environ``, default ``os.environ``) holds keys separated
+    by commas or newlines. No source at all gives ``()``: an open service. A source that is given but
+    empty, or holds an empty key, is a :class:`KeySourceError` naming that source, never an open service.
+    """
+    found = [_check_key(key, option) for key in keys]
+    if key_file is not None:
+        found += read_key_file(key_file)
+    environ = os.environ if environ is None else environ
+    if env_var is not None and env_var in environ:
+        found += parse_keys(environ[env_var], f"environment variable {env_var}")
+    return tuple(dict.fromkeys(found))
+
+
+def load_key(key: str | None = None, *, key_file: str | os.PathLike[str] | None = None,
+             env_var: str | None = None, environ: Mapping[str, str] | None = None,
+             option: str = "--server-api-key") -> str | None:
+    """The one key a client sends: ``key`` (named ``option`` in errors) or the key in ``key_file``, not both,
+    else the environment variable ``env_var``; None when none of them is given. Errors as :func:`load_keys`."""
+    if key is not None and key_file is not None:
+        raise KeySourceError(option, f"given together with a key file ({os.fspath(key_file)}); give one of them")
+    environ = os.environ if environ is None else environ
+    if key is not None:
+        source, keys = option, load_keys([key], option=option)
+    elif key_file is not None:
+        source, keys = f"key file {os.fspath(key_file)}", read_key_file(key_file)
+    elif env_var is not None and env_var in environ:
+        source = f"environment variable {env_var}"
+        keys = parse_keys(environ[env_var], source)
+    else:
+        return None
+    if len(keys) != 1:
+        raise KeySourceError(source, f"holds {len(keys)} keys; a client sends exactly one")
+    return keys[0]

@@ -50,5 +50,6 @@ def error_response(status: int, message: str, *, type: ErrorType = "invalid_requ
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody, "description": description} for status, description in (
         (400, "Invalid request"), (401, "Missing or invalid API key"), (404, "Not found"),
-        (413, "Request too large"), (415, "Unsupported content type"), (422, "Malformed payload"),
-        (429, "Privacy budget exhausted"), (502, "Upstream failed"))}
+        (408, "Request body too slow"), (413, "Request too large"), (415, "Unsupported content type"),
+        (422, "Malformed payload"),
+        (429, "Privacy budget exhausted"), (502, "Upstream failed"), (503, "Busy: retry after a second"))}

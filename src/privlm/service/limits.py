@@ -6,19 +6,49 @@ make the service hold a body. A declared ``Content-Length`` over the limit is re
 is read; a body that crosses the limit while streaming (chunked, or lying about its length) is refused
 as soon as it crosses. Memory therefore stays below the limit plus one chunk per request. The route
 then reads the buffered body as usual.
+
+Two more bounds keep slow or many clients from holding the service:
+
+  - ``body_timeout`` (30 s by default): the whole body must arrive within that many seconds of the
+    middleware starting to read it; a body that trickles in slower is answered 408
+    (``request_timeout``) and the connection closes;
+  - ``max_in_flight`` (32 by default): at most that many requests with a body are read or processed at
+    once; one more is answered 503 (``server_busy``, ``retry-after: 1``, which privlm's
+    :class:`~privlm.service.RetryPolicy` and OpenAI's SDKs retry) before any of its body is read. Memory
+    for bodies is thus bounded by ``max_in_flight * max_request_bytes``. A request leaves the count
+    however it ends: answered, refused, failed, cancelled, or abandoned by its client.
+
+A client that goes away mid-upload is one ``info`` line on the ``privlm.service`` logger, never a
+traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from privlm.service.auth import BearerKeys
 from privlm.service.errors import error_response
 
+BODY_TIMEOUT = 30.0  # seconds for a whole request body
+MAX_IN_FLIGHT = 32  # requests with a body read or processed at once
+
+log = logging.getLogger("privlm.service")
+
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, max_bytes: int, auth: BearerKeys) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, auth: BearerKeys, body_timeout: float = BODY_TIMEOUT,
+                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        if not body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
         self.app, self.max_bytes, self.auth = app, max_bytes, auth
+        self.body_timeout, self.max_in_flight = float(body_timeout), max_in_flight
+        self.in_flight = 0  # requests with a body being read or processed now (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -27,7 +57,10 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"")
         has_body = (declared.isdigit() and int(declared) > 0) or b"transfer-encoding" in headers
-        if has_body and not self.auth.accepts_header(headers.get(b"authorization", b"").decode("latin-1")):
+        authorization = [value.decode("latin-1") for name, value in scope["headers"] if name == b"authorization"]
+        # Two Authorization headers are refused on every route: this check would read one, the routes another.
+        ambiguous = len(authorization) > 1 and not self.auth.open
+        if ambiguous or (has_body and not self.auth.accepts_header(authorization[0] if authorization else None)):
             refusal = self.auth.refusal().response()
             refusal.headers["connection"] = "close"  # the unread body is not drained: the connection ends
             await refusal(scope, receive, send)
@@ -35,10 +68,30 @@ class BodyLimitMiddleware:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send, f"request of {int(declared)} bytes")
             return
+        if not has_body:
+            await self._read_and_run(scope, receive, send)
+            return
+        if self.in_flight >= self.max_in_flight:
+            await self._busy(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self._read_and_run(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _read_and_run(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
         while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                await self._too_slow(scope, receive, send, size)
+                return
+            if message["type"] != "http.request":
+                log.info("client went away after sending %d bytes of its request body", size)
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
@@ -57,7 +110,23 @@ class BodyLimitMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        except ClientDisconnect:  # the client left while the route was still reading or answering
+            log.info("client went away before its answer")
+
+    async def _too_slow(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        log.info("request body incomplete after %g s (%d bytes): answered 408", self.body_timeout, size)
+        response = error_response(408, f"the request body did not arrive within body_timeout={self.body_timeout:g} s "
+                                       f"({size} bytes received)", param="body_timeout", code="request_timeout",
+                                  headers={"connection": "close"})  # the rest is not drained
+        await response(scope, receive, send)
+
+    async def _busy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(503, f"the service is reading or processing max_in_flight={self.max_in_flight} "
+                                       "requests; retry shortly", type="server_error", param="max_in_flight",
+                                  code="server_busy", headers={"retry-after": "1", "connection": "close"})
+        await response(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
         response = error_response(413, f"{what} exceeds max_request_bytes={self.max_bytes}", param="max_request_bytes",

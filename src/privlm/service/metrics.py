@@ -1,4 +1,8 @@
-"""Prometheus metrics of one service: requests by route and status, and latency by route."""
+"""Prometheus metrics of one service: requests by route and status, and latency by route.
+
+A request whose client went away before any answer is counted with status 499 (nginx's "client
+closed request"), not as a server error.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ class ServiceMetrics:
         self.latency = Histogram("privlm_request_seconds", "Request latency", ["endpoint"], registry=self.registry)
 
 
+CLIENT_CLOSED = 499
+
+
 class RequestMetricsMiddleware:
     def __init__(self, app: ASGIApp, *, metrics: ServiceMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -26,16 +33,18 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, status = time.perf_counter(), 500
+        started, status, answered = time.perf_counter(), 500, False
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answered = message["status"], True
             await send(message)
 
         try:
             await self.app(scope, receive, send_and_record)
+            if not answered:  # the app gave up on the request: its client went away
+                status = CLIENT_CLOSED
         finally:
             route = scope.get("route")  # set by the router once a route matched
             endpoint = getattr(route, "path", "unmatched")

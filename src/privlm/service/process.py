@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 import httpx
+
+from privlm.service.auth import KEY_ENV_VARS
 
 
 def free_port() -> int:
@@ -16,10 +20,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_privlm(args: list[str], health_url: str, *, timeout: float = 120.0) -> subprocess.Popen[bytes]:
-    """Start ``privlm ARGS`` in the background and wait until ``health_url`` answers 200."""
+def start_privlm(args: list[str], health_url: str, *, timeout: float = 120.0,
+                 env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``privlm ARGS`` in the background and wait until ``health_url`` answers 200.
+
+    The process gets ``env``, by default this process's environment without the variables the commands
+    read keys from (``PRIVLM_API_KEYS`` ...): the keys it uses are the ones ``args`` give.
+    """
+    if env is None:
+        env = {name: value for name, value in os.environ.items() if name not in KEY_ENV_VARS}
     process = subprocess.Popen([sys.executable, "-m", "privlm.cli", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               stderr=subprocess.DEVNULL, env=dict(env))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

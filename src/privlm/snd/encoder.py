@@ -25,6 +25,7 @@ from privlm.mechanisms import NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
 from privlm.models.batching import length_sorted_batches
 from privlm.models.client import TRUNCATION_POLICIES
+from privlm.service import ServerError
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
 from privlm.snd.card import DenoiserCard
 from privlm.snd.denoiser import Denoiser
@@ -43,6 +44,8 @@ class EncodeReport:
     truncated: int = 0
     server_calls: int = 0
     truncated_indices: list[int] = field(default_factory=list)
+    unknown_indices: list[int] = field(default_factory=list)  # texts with unknown tokens ([UNK])
+    contentless_indices: list[int] = field(default_factory=list)  # texts that are special tokens only
     receipt: Receipt | None = None  # the ledger's record of this call's spend, when there is a ledger
 
 
@@ -50,6 +53,19 @@ class EncodeReport:
 class Encoded:
     vectors: np.ndarray  # (n, d) float32, in the order of the texts
     report: EncodeReport
+
+
+class IncompleteEncodingError(ServerError):
+    """The server failed part-way through a call. Nothing finished is lost: ``encoded.vectors`` holds the
+    rows of the texts in ``done`` (NaN elsewhere); encode the texts at ``missing`` again to finish, which
+    is a new release (the failed batches may have reached the server)."""
+
+    def __init__(self, encoded: Encoded, done: Sequence[int], cause: BaseException) -> None:
+        self.encoded, self.done = encoded, sorted(done)
+        finished = set(self.done)
+        self.missing = [i for i in range(len(encoded.vectors)) if i not in finished]
+        super().__init__(f"{len(self.done)} of {len(encoded.vectors)} texts were encoded before the server failed "
+                         f"({cause}); error.encoded holds them, error.missing lists the texts still to encode")
 
 
 @dataclass
@@ -150,12 +166,21 @@ class SnDEncoder:
         """The embeddings and this call's report; ``texts`` may come tokenized already (``model.tokens``).
         ``truncation`` overrides the encoder's policy for this call ("count": cut and report, no warning)."""
         call = self.begin(texts, batch_size=batch_size, principal=principal, truncation=truncation)
-        out = np.empty((len(call.tokens), self.model.hidden_size), dtype=np.float32)
-        with torch.inference_mode():
-            for indices in call.batches:
-                private = self.privatize(call.tokens.subset(indices), generator=call.generator)
-                out[indices] = self.denoise(private, self._release(call, private)).float().cpu().numpy()
+        out = np.full((len(call.tokens), self.model.hidden_size), np.nan, dtype=np.float32)
+        done: list[int] = []
+        for indices in call.batches:
+            try:
+                out[indices] = self.encode_batch(call, indices)
+            except ServerError as error:
+                raise IncompleteEncodingError(Encoded(out, call.report), done, error) from error
+            done.extend(indices)
         return Encoded(out, call.report)
+
+    @torch.inference_mode()
+    def encode_batch(self, call: EncodeCall, indices: Sequence[int]) -> np.ndarray:
+        """One batch of a call: privatize, release to the server, denoise; (len(indices), d) float32."""
+        private = self.privatize(call.tokens.subset(indices), generator=call.generator)
+        return self.denoise(private, self._release(call, private)).float().cpu().numpy()
 
     def begin(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
               principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> EncodeCall:
@@ -169,8 +194,16 @@ class SnDEncoder:
             if policy == "error":
                 raise ValueError(message + "; pass truncation='warn' to truncate them")
             warnings.warn(message + "; they were truncated", stacklevel=3)
+        unknown, contentless = self.model.with_unknown_tokens(tokens), self.model.without_content(tokens)
+        if policy != "count":
+            for indices, what in ((unknown, "hold unknown tokens (over-long words, unseen characters)"),
+                                  (contentless, "have no content tokens at all (only zero-width characters, say)")):
+                if indices:
+                    warnings.warn(f"texts {indices[:10]}{'...' if len(indices) > 10 else ''} {what}: their "
+                                  "embeddings say little about them", stacklevel=3)
         lengths = [min(n, self.model.max_length) for n in tokens.counts]
-        report = EncodeReport(texts=len(tokens), tokens=sum(lengths), truncated=len(long), truncated_indices=long)
+        report = EncodeReport(texts=len(tokens), tokens=sum(lengths), truncated=len(long), truncated_indices=long,
+                              unknown_indices=unknown, contentless_indices=contentless)
         if self.ledger is not None and self.needs_server:
             report.receipt = self.ledger.spend(principal, self.privatizer.spend(lengths), note="snd encode")
         batches = list(length_sorted_batches(tokens.texts, batch_size or self.batch_size))

@@ -1,6 +1,7 @@
 """Tensor payloads on the wire and their limits: safetensors or checked raw arrays, never pickle."""
 
 from privlm.wire.tensors import (
+    MODEL_FINGERPRINT_HEADER,
     RAW,
     SAFETENSORS,
     WIRE_DTYPES,
@@ -16,6 +17,7 @@ from privlm.wire.tensors import (
 )
 
 __all__ = [
+    "MODEL_FINGERPRINT_HEADER",
     "RAW",
     "SAFETENSORS",
     "WIRE_DTYPES",

@@ -23,6 +23,8 @@ WireFormat = Literal["application/x-safetensors", "application/octet-stream"]
 SAFETENSORS: WireFormat = "application/x-safetensors"
 RAW: WireFormat = "application/octet-stream"
 WIRE_DTYPES: tuple[WireDType, ...] = ("float32", "float16")
+# Every answer names the weights it came from, so that a client never mixes two models in one result.
+MODEL_FINGERPRINT_HEADER = "x-privlm-model-fingerprint"
 FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
@@ -181,8 +183,10 @@ def write_rows(rows: torch.Tensor, *, dtype: WireDType, fmt: WireFormat) -> tupl
                              "x-privlm-shape": ",".join(str(s) for s in array.shape)}
 
 
-def read_rows(body: bytes, headers: Mapping[str, str]) -> torch.Tensor:
-    """Client side: a server's (B, d) answer as a checked float32 tensor; a malformed one is a 502 WireError."""
+def read_rows(body: bytes, headers: Mapping[str, str], *, rows: int | None = None, dim: int | None = None
+              ) -> torch.Tensor:
+    """Client side: a server's (B, d) answer as a checked float32 tensor, with ``rows`` rows of width ``dim``
+    when given; a malformed one is a 502 WireError."""
     content_type = headers.get("content-type", "")
     if content_type.startswith(SAFETENSORS):
         try:
@@ -200,4 +204,6 @@ def read_rows(body: bytes, headers: Mapping[str, str]) -> torch.Tensor:
             raise WireError(f"answer does not match its declared shape: {error}", status=502) from error
     if out is None or out.ndim != 2 or not torch.isfinite(out).all():
         raise WireError("answer must be a finite (B, d) 'embeddings' tensor", status=502)
+    if (rows is not None and out.shape[0] != rows) or (dim is not None and out.shape[1] != dim):
+        raise WireError(f"answer has shape {tuple(out.shape)}, expected ({rows}, {dim})", status=502, limit="shape")
     return out.float()

@@ -20,6 +20,8 @@ from privlm.snd.service.server import create_app
 from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 from tests.service.localhost import serving
 
+MODEL = "privlm-snd-model"  # the gateway's id for the tiny model, loaded from a folder named "model"
+
 
 class Stack(NamedTuple):
     sdk: openai.OpenAI  # the real OpenAI client on a gateway with a Bearer key
@@ -41,14 +43,14 @@ def stack(tmp_path_factory):
 
 
 def test_openai_client_gets_private_embeddings(stack):
-    response = stack.sdk.embeddings.create(model="privlm-snd-minilm", input=["the cat sat", "a dog"])
+    response = stack.sdk.embeddings.create(model=MODEL, input=["the cat sat", "a dog"])
     assert [d.index for d in response.data] == [0, 1]
     assert len(response.data[0].embedding) == 32
     assert response.usage.prompt_tokens > 0
 
 
 def test_base64_encoding_matches_float(stack):
-    response = stack.sdk.embeddings.create(model="x", input="the cat sat", encoding_format="base64")
+    response = stack.sdk.embeddings.create(model=MODEL, input="the cat sat", encoding_format="base64")
     raw = response.data[0].embedding
     vector = np.frombuffer(base64.b64decode(raw), dtype="<f4") if isinstance(raw, str) else np.asarray(raw)
     assert vector.shape == (32,) and np.isfinite(vector).all()
@@ -56,28 +58,28 @@ def test_base64_encoding_matches_float(stack):
 
 def test_bad_requests_are_4xx(stack):
     with pytest.raises(openai.BadRequestError):
-        stack.sdk.embeddings.create(model="x", input=[""])
+        stack.sdk.embeddings.create(model=MODEL, input=[""])
     with pytest.raises(openai.BadRequestError):
-        stack.sdk.embeddings.create(model="x", input=[[1, 2, 3]])  # token ids are refused: send text
+        stack.sdk.embeddings.create(model=MODEL, input=[[1, 2, 3]])  # token ids are refused: send text
     wrong_key = openai.OpenAI(base_url=str(stack.sdk.base_url), api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        wrong_key.embeddings.create(model="x", input="hi")
+        wrong_key.embeddings.create(model=MODEL, input="hi")
 
 
 def test_over_long_texts_are_refused_or_cut_visibly(stack):
     long_text = " ".join(["cat"] * 2000)
     with pytest.raises(openai.BadRequestError) as refused:
-        stack.sdk.embeddings.create(model="x", input=["a dog", long_text])
+        stack.sdk.embeddings.create(model=MODEL, input=["a dog", long_text])
     assert refused.value.body["param"] == "input" and refused.value.body["code"] == "context_length_exceeded"
     assert "[1]" in refused.value.body["message"]
-    cut = httpx.post(f"{stack.truncating_url}/v1/embeddings", json={"model": "x", "input": ["a dog", long_text]})
+    cut = httpx.post(f"{stack.truncating_url}/v1/embeddings", json={"model": MODEL, "input": ["a dog", long_text]})
     assert cut.status_code == 200 and cut.headers["x-privlm-truncated"] == "1"
     assert len(cut.json()["data"]) == 2
 
 
 def test_request_bytes_are_bounded_before_parsing(stack):
     response = httpx.post(f"{stack.truncating_url}/v1/embeddings",
-                          json={"model": "x", "input": ["cat " * 10_000]})
+                          json={"model": MODEL, "input": ["cat " * 10_000]})
     assert response.status_code == 413 and response.json()["error"]["param"] == "max_request_bytes"
 
 
@@ -90,7 +92,7 @@ def test_the_gateway_openapi_never_answers_5xx(stack):
 
 
 def test_every_answer_carries_the_privacy_report(stack):
-    raw = stack.sdk.embeddings.with_raw_response.create(model="x", input=["the cat sat", "a dog"])
+    raw = stack.sdk.embeddings.with_raw_response.create(model=MODEL, input=["the cat sat", "a dog"])
     assert raw.headers["x-privlm-mechanism"] == "snd-dchi" and raw.headers["x-privlm-eta"] == "5"
     assert int(raw.headers["x-privlm-tokens-perturbed"]) == raw.parse().usage.prompt_tokens > 0
     assert "x-privlm-budget-remaining" not in raw.headers  # no ledger on this gateway
@@ -125,7 +127,7 @@ def test_two_requests_are_in_flight_at_the_same_time(tmp_path):
         client = Client(server_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu")
         with serving(create_gateway(client)) as gateway_url:
             def post(text: str) -> int:
-                return httpx.post(f"{gateway_url}/v1/embeddings", json={"model": "x", "input": [text]},
+                return httpx.post(f"{gateway_url}/v1/embeddings", json={"model": MODEL, "input": [text]},
                                   timeout=30).status_code
 
             started = time.perf_counter()
@@ -153,22 +155,22 @@ def test_per_key_budgets_are_spent_before_release_and_survive_a_restart(tmp_path
         client, gateway = gateway_stack(server_url)
         with serving(gateway) as gateway_url:
             alice = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="alice", max_retries=0)
-            first = alice.embeddings.with_raw_response.create(model="x", input="the cat sat")
+            first = alice.embeddings.with_raw_response.create(model=MODEL, input="the cat sat")
             assert float(first.headers["x-privlm-eta-tokens-spent"]) == pytest.approx(5.0 * tokens)
             assert float(first.headers["x-privlm-budget-remaining"]) == pytest.approx(1.5 * 5.0 * tokens)
-            alice.embeddings.create(model="x", input="the cat sat")
+            alice.embeddings.create(model=MODEL, input="the cat sat")
             with pytest.raises(openai.RateLimitError) as refused:
-                alice.embeddings.create(model="x", input="the cat sat")
+                alice.embeddings.create(model=MODEL, input="the cat sat")
             assert refused.value.body["code"] == "budget_exhausted"
             assert refused.value.body["param"] == "eta-token budget" and "left" in refused.value.body["message"]
             bob = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="bob", max_retries=0)
-            assert len(bob.embeddings.create(model="x", input="the cat sat").data) == 1  # budgets are per key
+            assert len(bob.embeddings.create(model=MODEL, input="the cat sat").data) == 1  # budgets are per key
         client.close()
         client, gateway = gateway_stack(server_url)  # a restart: a new ledger object on the same file
         with serving(gateway) as gateway_url:
             alice = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="alice", max_retries=0)
             with pytest.raises(openai.RateLimitError):
-                alice.embeddings.create(model="x", input="the cat sat")
+                alice.embeddings.create(model=MODEL, input="the cat sat")
         client.close()
     assert upstream.peak == 1
 
@@ -216,7 +218,7 @@ def test_each_request_is_tokenized_once(tmp_path):
         counting = client.model.tokenizer = CountingTokenizer(client.model.tokenizer)
         with serving(create_gateway(client)) as gateway_url:
             response = httpx.post(f"{gateway_url}/v1/embeddings",
-                                  json={"model": "x", "input": ["the cat sat", "a dog", "the mat", "a cat ran"]})
+                                  json={"model": MODEL, "input": ["the cat sat", "a dog", "the mat", "a cat ran"]})
         client.close()
     assert response.status_code == 200 and len(response.json()["data"]) == 4
     assert counting.calls == 1  # one tokenizer call for four texts in two batches

@@ -24,11 +24,14 @@ def tiny(tmp_path_factory) -> SplitModel:
 
 
 @pytest.fixture(scope="module")
-def ray_server(tiny):
+def ray_server(tiny, tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"  # read by each replica (finding 5 of issue 10)
+    key_file.write_text(f"# the test's key\n{KEY}\n")
+    key_file.chmod(0o600)
     process = start_privlm(["serve", "--ray", "--model", str(tiny.name), "--port", str(port), "--replicas", "2",
-                            "--replica-cpus", "0.5", "--api-key", KEY], f"{url}/health", timeout=300)
+                            "--replica-cpus", "0.5", "--api-key-file", str(key_file)], f"{url}/health", timeout=300)
     yield url
     stop(process)
     assert process.returncode is not None
@@ -39,7 +42,7 @@ def _authorised() -> dict[str, str]:
 
 
 def test_replicas_serve_the_same_model(ray_server, tiny):
-    assert httpx.get(f"{ray_server}/health").json()["fingerprint"] == tiny.fingerprint
+    assert httpx.get(f"{ray_server}/health").json()["fingerprint"] == tiny.weights_fingerprint
     batch = tiny.tokenize(["the cat sat on the mat", "a dog"])
     embeddings = tiny.embed_tokens(batch.input_ids).detach()
     body, headers = write_sequences(embeddings, batch.attention_mask, dtype="float32", fmt=RAW)
@@ -93,3 +96,59 @@ def test_bad_deployment_sizes_are_refused(bad):
 
     with pytest.raises(ValueError, match=next(iter(bad))):
         snd_application("minilm", **bad)
+
+
+def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny, tmp_path, monkeypatch):
+    """Keys need not sit in Ray's config (which Ray stores): each replica reads the key file and the variable
+    on its own node; an explicitly empty source is refused, never an open server."""
+    from privlm.service.auth import KeySourceError
+    from privlm.snd.service.ray import SnDServer, app_builder
+    from tests.service.localhost import serving
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# replica keys\nfile-key\n")
+    key_file.chmod(0o600)
+    deployment = app_builder({"model": "minilm", "api_key_file": str(key_file)})._bound_deployment
+    assert deployment.init_kwargs["api_keys"] == () and deployment.init_kwargs["api_key_file"] == str(key_file)
+    assert deployment.init_kwargs["api_keys_env"] == "PRIVLM_API_KEYS"
+    assert "file-key" not in repr((deployment.init_args, deployment.init_kwargs))
+    monkeypatch.setenv("PRIVLM_API_KEYS", "env-key")
+    replica = SnDServer(str(tiny.name), api_key_file=str(key_file), api_keys_env="PRIVLM_API_KEYS")
+    with serving(replica.__serve_build_asgi_app__()) as url:
+        for key, status in (("file-key", 200), ("env-key", 200), ("other", 401)):
+            assert httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {key}"}).status_code == status
+    with pytest.raises(KeySourceError, match="api_keys"):
+        app_builder({"model": "minilm", "api_keys": ""})
+    monkeypatch.setenv("PRIVLM_API_KEYS", "")
+    with pytest.raises(KeySourceError, match="PRIVLM_API_KEYS"):
+        SnDServer(str(tiny.name), api_keys_env="PRIVLM_API_KEYS")
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_finding_10_ray_listens_on_loopback_only(ray_server):
+    """`privlm serve --ray` on 127.0.0.1 used to start Ray with its GCS, raylet, agents and workers listening
+    on every interface ('::', '0.0.0.0', the machine's address); now every listening socket of the whole
+    process tree is on loopback."""
+    import psutil
+
+    port = int(ray_server.rsplit(":", 1)[1])
+    (root,) = [child for child in psutil.Process().children()
+               if "--ray" in child.cmdline() and str(port) in child.cmdline()]
+    listening: dict[tuple[str, int], str] = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = process.name()
+            for connection in process.net_connections(kind="inet"):
+                if connection.status == psutil.CONN_LISTEN:
+                    listening[(name, connection.laddr.port)] = connection.laddr.ip
+        except psutil.NoSuchProcess:
+            continue
+    assert {"gcs_server", "raylet"} <= {name for name, _ in listening} and port in {p for _, p in listening}
+    assert {where: ip for where, ip in listening.items() if not _loopback(ip)} == {}

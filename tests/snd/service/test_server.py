@@ -20,7 +20,8 @@ def tiny(tmp_path_factory) -> SplitModel:
 
 @pytest.fixture(scope="module")
 def client(tiny):
-    with TestClient(create_app(tiny, denoiser_dirs=[], max_wait_ms=2.0)) as test_client:
+    # base_url: an open server answers loopback Host names only (DNS rebinding); TestClient's default is testserver
+    with TestClient(create_app(tiny, denoiser_dirs=[], max_wait_ms=2.0), base_url="http://localhost") as test_client:
         yield test_client
 
 
@@ -90,7 +91,7 @@ def test_concurrent_requests_share_batches(tiny):
     import concurrent.futures
 
     app = create_app(tiny, denoiser_dirs=[], max_wait_ms=50.0)
-    with TestClient(app) as test_client:
+    with TestClient(app, base_url="http://localhost") as test_client:
         embeddings, mask = _private_batch(tiny, ["the cat", "a dog sat"])
         body, headers = write_sequences(embeddings, mask)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -93,10 +93,12 @@ async def _load_gateway(url: str, texts: list[str], clients: int, requests: int)
     sdks = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=600)
             for _ in range(clients)]
 
+    model_id = (await sdks[0].models.list()).data[0].id  # the gateway names its one model
+
     async def send(index: int, k: int) -> None:
         start = ((index * requests + k) * SENTENCES_PER_REQUEST) % (len(texts) - SENTENCES_PER_REQUEST)
         batch = texts[start:start + SENTENCES_PER_REQUEST]
-        response = await sdks[index].embeddings.create(model="privlm-snd", input=batch)
+        response = await sdks[index].embeddings.create(model=model_id, input=batch)
         if len(response.data) != SENTENCES_PER_REQUEST:
             raise RuntimeError(f"the gateway answered {len(response.data)} embeddings for {SENTENCES_PER_REQUEST}")
 
@@ -121,7 +123,7 @@ def plain_forward_throughput(model: SplitModel, texts: list[str], *, batch_size:
 def restart_check(model_name: str, model: SplitModel, texts: list[str], port: int,
                   server: subprocess.Popen[bytes]) -> tuple[dict[str, object], subprocess.Popen[bytes]]:
     """Restart the server mid-run: every embedding must come back once, in order. Returns the new server too."""
-    client = Client(f"http://127.0.0.1:{port}", eta=1e6, denoiser=None, retries=40, backoff=0.25, batch_size=8)
+    client = Client(f"http://127.0.0.1:{port}", eta=1e6, denoiser=None, retry_for=60, backoff=0.25, batch_size=8)
     restarted: list[subprocess.Popen[bytes]] = []
 
     def restart() -> None:

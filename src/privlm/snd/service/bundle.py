@@ -14,7 +14,7 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoTokenizer
 
 from privlm.models import SplitModel, TokenEmbedder
-from privlm.service import Bundle, ServerError, check_file_name
+from privlm.service import Bundle, ServerError, check_file_name, public_config, public_model_name
 from privlm.snd.artefacts import WEIGHTS_FILE
 from privlm.snd.card import CARD_FILE, read_card
 
@@ -23,9 +23,12 @@ BUNDLE_PATH = "/v1/snd/bundle"
 
 
 def model_facts(model: SplitModel) -> dict[str, object]:
-    return {"name": model.name, "fingerprint": model.fingerprint, "dim": model.hidden_size,
+    """What a client learns of the model: no filesystem paths; ``fingerprint`` covers the embedding rows
+    (the client checks it), ``weights_fingerprint`` every weight (each encode answer must carry it)."""
+    return {"name": public_model_name(str(model.name)), "fingerprint": model.fingerprint,
+            "weights_fingerprint": model.weights_fingerprint, "dim": model.hidden_size,
             "vocab_size": model.vocab_size, "max_length": model.max_length, "normalize": model.normalize,
-            "pooling": model.pooling, "clip_norm": model.max_embedding_norm, "config": model.config_dict}
+            "pooling": model.pooling, "clip_norm": model.max_embedding_norm, "config": public_config(model.config_dict)}
 
 
 def snd_bundle(model: SplitModel, denoiser_dirs: Sequence[Path]) -> Bundle:
@@ -77,5 +80,9 @@ def choose_denoiser(manifest: Mapping[str, object], folder: Path, eta: float, de
     snd = [d for d in offered if d.get("variant") == "snd"]
     if not snd:
         raise ValueError("the server offers no SnD denoiser; pass denoiser=None to use e_n as it comes")
+    for offer in snd:
+        bounds = offer.get("eta_range")
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(isinstance(b, int | float) for b in bounds)):
+            raise ServerError("the bundle manifest gives a denoiser without a numeric eta_range [low, high]")
     fitting = [d for d in snd if d["eta_range"][0] <= eta <= d["eta_range"][1]]
     return folder / "denoisers" / check_file_name((fitting or snd)[0]["name"])

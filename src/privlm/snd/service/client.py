@@ -22,10 +22,20 @@ from privlm.accounting import Ledger
 from privlm.models import Tokens, TruncationPolicy
 from privlm.models.sources import cache_dir as privlm_cache_dir
 from privlm.service import RetryPolicy, ServerError, download_bundle
-from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, SnDEncoder
+from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, IncompleteEncodingError, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch
 from privlm.snd.service.bundle import BUNDLE_PATH, bundle_embedder, choose_denoiser
-from privlm.wire import RAW, SAFETENSORS, WIRE_DTYPES, WireDType, WireError, WireFormat, read_rows, write_sequences
+from privlm.wire import (
+    MODEL_FINGERPRINT_HEADER,
+    RAW,
+    SAFETENSORS,
+    WIRE_DTYPES,
+    WireDType,
+    WireError,
+    WireFormat,
+    read_rows,
+    write_sequences,
+)
 
 ENCODE_PATH = "/v1/snd/encode"
 
@@ -38,7 +48,8 @@ class Client(SnDEncoder):
     """Private sentence embeddings from a remote SnD server; ``encode`` like sentence-transformers."""
 
     def __init__(self, base_url: str, *, eta: float, denoiser: str | None = "auto", api_key: str | None = None,
-                 cache_dir: str | Path | None = None, timeout: float = 30.0, retries: int = 5, backoff: float = 0.25,
+                 cache_dir: str | Path | None = None, timeout: float = 30.0, retry_for: float = 60.0,
+                 retries: int | None = None, backoff: float = 0.25,
                  dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
                  truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
                  device: str | torch.device = "auto", transport: httpx.BaseTransport | None = None,
@@ -48,9 +59,10 @@ class Client(SnDEncoder):
         check_positive_int("batch_size", batch_size)
         self.dtype = check_choice("dtype", dtype, WIRE_DTYPES)
         self.wire_format = check_choice("wire_format", wire_format, (SAFETENSORS, RAW))
-        self.retry = RetryPolicy(retries=retries, backoff=backoff)
+        self.retry = RetryPolicy(retry_for=retry_for, retries=retries, backoff=backoff)
         self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=_auth(api_key), transport=transport)
-        self.manifest = self.retry.call(lambda: self.http.get(BUNDLE_PATH)).json()
+        self.manifest = _json(self.retry.call(lambda: self.http.get(BUNDLE_PATH)))
+        self.weights_fingerprint = _weights_fingerprint(self.manifest)
         folder = download_bundle(self.manifest, self._fetch, Path(cache_dir) if cache_dir else privlm_cache_dir(),
                                  namespace="snd-bundles")
         super().__init__(bundle_embedder(folder, device=device), eta=eta,
@@ -61,9 +73,23 @@ class Client(SnDEncoder):
         return self.retry.call(lambda: self.http.get(f"{BUNDLE_PATH}/files/{name}")).content
 
     def _remote(self, noisy: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # Idempotent: a retry resends the same noisy bytes (no new noise, no new release).
         body, headers = write_sequences(noisy, attention_mask, dtype=self.dtype, fmt=self.wire_format)
         response = self.retry.call(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers))
-        return _answer(response)
+        return self.check_answer(response, rows=len(noisy))
+
+    def check_answer(self, response: httpx.Response, *, rows: int) -> torch.Tensor:
+        """The (rows, d) answer, if it came from the model of the bundle; else a :class:`ServerError`."""
+        served = response.headers.get(MODEL_FINGERPRINT_HEADER)
+        if served != self.weights_fingerprint:
+            raise ModelChangedError(f"the server answered with model weights {str(served)[:16]}..., not the "
+                                    f"{self.weights_fingerprint[:16]}... of the bundle this client loaded (was the "
+                                    "server restarted with another model?); refusing to mix two models' outputs: "
+                                    "make a new Client")
+        try:
+            return read_rows(response.content, response.headers, rows=rows, dim=self.model.hidden_size)
+        except WireError as error:
+            raise ServerError(f"malformed answer: {error}") from error
 
     def close(self) -> None:
         self.http.close()
@@ -75,11 +101,26 @@ class Client(SnDEncoder):
         self.close()
 
 
-def _answer(response: httpx.Response) -> torch.Tensor:
+class ModelChangedError(ServerError):
+    """An answer came from other weights than the bundle's: the server now runs another model."""
+
+
+def _json(response: httpx.Response) -> dict[str, object]:
     try:
-        return read_rows(response.content, response.headers)
-    except WireError as error:
-        raise ServerError(str(error)) from error
+        manifest = response.json()
+    except ValueError as error:
+        raise ServerError("the bundle manifest is not JSON") from error
+    if not isinstance(manifest, dict):
+        raise ServerError("the bundle manifest is not a JSON object")
+    return manifest
+
+
+def _weights_fingerprint(manifest: dict[str, object]) -> str:
+    facts = manifest.get("model")
+    fingerprint = facts.get("weights_fingerprint") if isinstance(facts, dict) else None
+    if not isinstance(fingerprint, str) or len(fingerprint) != 64:
+        raise ServerError("the bundle manifest names no weights fingerprint (a server older than this client?)")
+    return fingerprint
 
 
 class AsyncClient:
@@ -88,15 +129,16 @@ class AsyncClient:
 
     def __init__(self, base_url: str, *, eta: float, max_concurrency: int = 4, timeout: float = 30.0,
                  api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
-                 cache_dir: str | Path | None = None, retries: int = 5, backoff: float = 0.25,
+                 cache_dir: str | Path | None = None, retry_for: float = 60.0, retries: int | None = None,
+                 backoff: float = 0.25,
                  dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
                  denoiser: str | None = "auto", truncation: TruncationPolicy = "warn",
                  generator: torch.Generator | None = None, device: str | torch.device = "auto",
                  ledger: Ledger | None = None) -> None:
-        self.local = Client(base_url, eta=eta, timeout=timeout, api_key=api_key, cache_dir=cache_dir, retries=retries,
-                            backoff=backoff, dtype=dtype, wire_format=wire_format, batch_size=batch_size,
-                            denoiser=denoiser, truncation=truncation, generator=generator, device=device,
-                            ledger=ledger)
+        self.local = Client(base_url, eta=eta, timeout=timeout, api_key=api_key, cache_dir=cache_dir,
+                            retry_for=retry_for, retries=retries, backoff=backoff, dtype=dtype,
+                            wire_format=wire_format, batch_size=batch_size, denoiser=denoiser, truncation=truncation,
+                            generator=generator, device=device, ledger=ledger)
         self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_auth(api_key), transport=transport)
         self.semaphore = asyncio.Semaphore(check_positive_int("max_concurrency", max_concurrency))
 
@@ -108,7 +150,7 @@ class AsyncClient:
                                         fmt=local.wire_format)
         async with self.semaphore:
             response = await local.retry.acall(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers))
-        return _answer(response).to(private.noisy.device)
+        return local.check_answer(response, rows=len(private.noisy)).to(private.noisy.device)
 
     async def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
                                  principal: str = LOCAL_PRINCIPAL) -> Encoded:
@@ -117,11 +159,21 @@ class AsyncClient:
         # Tokenizing and the ledger's transaction block: they run in a worker thread, not on the event loop.
         call = await asyncio.to_thread(local.begin, texts, batch_size=batch_size, principal=principal)
         privates = [local.privatize(call.tokens.subset(b), generator=call.generator) for b in call.batches]
-        answers = await asyncio.gather(*(self._release(p) for p in privates))
+        answers = await asyncio.gather(*(self._release(p) for p in privates), return_exceptions=True)
         call.report.server_calls += len(answers) if local.needs_server else 0
-        out = np.empty((len(call.tokens), local.model.hidden_size), dtype=np.float32)
+        out = np.full((len(call.tokens), local.model.hidden_size), np.nan, dtype=np.float32)
+        done: list[int] = []
+        failure: BaseException | None = None
         for indices, private, e_n in zip(call.batches, privates, answers, strict=True):
+            if isinstance(e_n, BaseException):
+                failure = failure or e_n
+                continue
             out[indices] = local.denoise(private, e_n).float().cpu().numpy()
+            done.extend(indices)
+        if isinstance(failure, ServerError):  # the batches that came back are kept
+            raise IncompleteEncodingError(Encoded(out, call.report), done, failure) from failure
+        if failure is not None:
+            raise failure
         return Encoded(out, call.report)
 
     async def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:

@@ -4,25 +4,50 @@ into a private SnD round trip to a remote ``privlm serve``. Apps switch by chang
 Requests are served concurrently: each is tokenized once, and its tokens, generator and report stay
 within the request. With a ledger, each request's release (eta per token row) is spent against the
 caller's key before anything leaves; an exhausted budget is a 429 naming it.
+
+No caller can hold the gateway: a request may carry at most ``max_request_tokens`` tokens (OpenAI's
+300,000 by default), CPU work runs in worker threads, and each request's batches take turns with other callers'
+(:class:`privlm.service.FairScheduler`: round-robin between keys, or between requests on an open
+gateway). Error messages name inputs by index, never by their text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import uuid
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Unpack
 
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from privlm.service import BearerKeys, ServerError, ServiceError, create_service_app
+from privlm._validation import check_positive_int
+from privlm.models import Tokens
+from privlm.service import (
+    BearerKeys,
+    FairScheduler,
+    ModelEntry,
+    RequestRefusedError,
+    ServerError,
+    ServiceError,
+    ServiceOptions,
+    catalog_router,
+    check_model,
+    create_service_app,
+    public_model_name,
+)
 from privlm.snd.encoder import Encoded
 from privlm.snd.service.client import Client
 
 MAX_REQUEST_BYTES = 8 * 2**20
+
+
+MAX_REQUEST_TOKENS = 300_000  # OpenAI's cap on the tokens of one embeddings request
+MAX_CONCURRENT_BATCHES = 4
 
 
 class EmbeddingRequest(BaseModel):
@@ -31,6 +56,41 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+
+
+class EmbeddingItem(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="Floats, or base64 of little-endian float32.")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    """OpenAI's embeddings answer."""
+
+    object: Literal["list"] = "list"
+    data: list[EmbeddingItem]
+    model: str
+    usage: EmbeddingUsage
+
+
+def _report_header(description: str) -> dict[str, object]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
+_PRIVACY_HEADERS = {
+    "x-privlm-mechanism": _report_header("The mechanism: snd-dchi."),
+    "x-privlm-eta": _report_header("eta: the d_chi privacy level per token row."),
+    "x-privlm-tokens-perturbed": _report_header("Token rows released (eta each)."),
+    "x-privlm-eta-tokens-spent": _report_header("With a ledger: this request's spend."),
+    "x-privlm-budget-remaining": _report_header("With a ledger: the caller's budget left."),
+    "x-privlm-truncated": _report_header("Indices of the inputs cut to the model's maximum (--truncate)."),
+    "x-privlm-unknown-tokens": _report_header("Indices of the inputs with unknown tokens."),
+    "x-privlm-no-content": _report_header("Indices of the inputs with no content tokens at all.")}
 
 
 def _embedding_item(index: int, vector: np.ndarray, encoding: str) -> dict[str, object]:
@@ -47,58 +107,101 @@ def _privacy_headers(client: Client, encoded: Encoded, too_long: list[int]) -> d
     if report.receipt is not None:
         headers |= {"x-privlm-eta-tokens-spent": f"{report.receipt.spend.amount:.6g}",
                     "x-privlm-budget-remaining": f"{report.receipt.remaining:.6g}"}
-    if too_long:
-        headers["x-privlm-truncated"] = ",".join(map(str, too_long))
+    for name, indices in (("x-privlm-truncated", too_long), ("x-privlm-unknown-tokens", report.unknown_indices),
+                          ("x-privlm-no-content", report.contentless_indices)):
+        if indices:
+            headers[name] = ",".join(map(str, indices))
     return headers
 
 
-def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: int = 2048, truncate: bool = False,
-                   max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+def _render(model_id: str, encoded: Encoded, encoding: str) -> bytes:
+    data = [_embedding_item(i, v, encoding) for i, v in enumerate(encoded.vectors)]
+    usage = {"prompt_tokens": encoded.report.tokens, "total_tokens": encoded.report.tokens}
+    return json.dumps({"object": "list", "data": data, "model": model_id, "usage": usage}).encode()
+
+
+def _upstream_failure(error: Exception) -> ServiceError:
+    """An upstream failure is the gateway's problem, never the caller's: 502, naming what went wrong."""
+    if isinstance(error, RequestRefusedError) and error.status in (401, 403):
+        return ServiceError(502, f"the SnD server refused this gateway's key ({error.status}); the gateway's "
+                                 "operator must fix --server-api-key", type="upstream_error",
+                            code="upstream_authentication_failed")
+    if isinstance(error, RequestRefusedError):
+        return ServiceError(502, f"the SnD server refused the gateway's request ({error.status}): "
+                                 f"{error.server_message[:200]}", type="upstream_error", code="upstream_refused")
+    return ServiceError(502, f"the SnD server failed: {str(error)[:300]}", type="upstream_error",
+                        code="upstream_failed")
+
+
+def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: int = 2048,
+                   max_request_tokens: int = MAX_REQUEST_TOKENS, truncate: bool = False,
+                   max_request_bytes: int = MAX_REQUEST_BYTES,
+                   max_concurrent_batches: int = MAX_CONCURRENT_BATCHES, **service: Unpack[ServiceOptions]) -> FastAPI:
     """The gateway around one configured ``Client`` (eta, denoiser, server and ledger are fixed at start).
 
-    A text longer than the model's maximum is refused with a 400 (``param`` = ``input``, ``code`` =
+    The model must be named by its id (``privlm-snd-<model>``, as ``/v1/models`` lists it), else 404
+    ``model_not_found``. A request over ``max_inputs`` texts or ``max_request_tokens`` tokens is refused (400). A
+    text longer than the model's maximum is refused with a 400 (``param`` = ``input``, ``code`` =
     ``context_length_exceeded``, as OpenAI does), unless ``truncate``: then it is cut and the response
-    header ``x-privlm-truncated`` lists the indices of the cut inputs.
+    header ``x-privlm-truncated`` lists the indices of the cut inputs. Texts with unknown tokens, or with
+    no content tokens at all, are listed in ``x-privlm-unknown-tokens`` and ``x-privlm-no-content``.
     """
     auth = BearerKeys(api_keys)
-    model_id = f"privlm-snd-{client.model.name}"
+    check_positive_int("max_inputs", max_inputs)
+    check_positive_int("max_request_tokens", max_request_tokens)
+    model_id = f"privlm-snd-{public_model_name(str(client.model.name))}"
+    offered = [ModelEntry(id=model_id, dim=client.model.hidden_size)]
     max_length = client.model.max_length
+    scheduler = FairScheduler(max_concurrent_batches)
     router = APIRouter(tags=["embeddings"])
 
-    @router.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "privlm"}]}
+    async def tokenize(texts: list[str]) -> Tokens:
+        try:  # in a worker thread: the tokenizer is serialised, and the event loop must not wait on it
+            tokens = await asyncio.to_thread(client.model.tokens, texts)
+        except ValueError as error:
+            raise ServiceError(400, str(error), param="input", code="invalid_input") from None
+        if sum(tokens.counts) > max_request_tokens:
+            raise ServiceError(400, f"the request holds {sum(tokens.counts)} tokens, more than the "
+                                    f"{max_request_tokens} allowed per request; split it", param="input",
+                               code="max_tokens_per_request")
+        too_long = tokens.longer_than(max_length)
+        if too_long and not truncate:
+            raise ServiceError(400, f"inputs {too_long[:10]} exceed the model's maximum of {max_length} tokens "
+                                    "(start the gateway with --truncate to cut them instead)",
+                               param="input", code="context_length_exceeded")
+        return tokens
 
-    @router.post("/v1/embeddings")
-    async def embeddings(request: EmbeddingRequest, principal: str = Depends(auth)) -> JSONResponse:
+    async def encode(tokens: Tokens, caller: str, principal: str) -> Encoded:
+        try:
+            # "count": cut texts are reported in the x-privlm-truncated header, not as a warning
+            call = await asyncio.to_thread(client.begin, tokens, principal=principal, truncation="count")
+            vectors = np.empty((len(tokens), client.model.hidden_size), dtype=np.float32)
+            for indices in call.batches:  # one turn per batch: other callers' batches interleave
+                async with scheduler.turn(caller):
+                    vectors[indices] = await asyncio.to_thread(client.encode_batch, call, indices)
+        except (ServerError, RequestRefusedError) as error:
+            raise _upstream_failure(error) from None
+        return Encoded(vectors, call.report)
+
+    @router.post("/v1/embeddings", response_class=JSONResponse,
+                 responses={200: {"model": EmbeddingList, "description": "Private embeddings, in input order",
+                                  "headers": _PRIVACY_HEADERS}})
+    async def embeddings(request: EmbeddingRequest, principal: str = Depends(auth.dependency)) -> Response:
+        check_model(request.model, offered)
         texts = [request.input] if isinstance(request.input, str) else request.input
         if not texts or len(texts) > max_inputs:
             raise ServiceError(400, f"input must hold 1 to {max_inputs} texts, got {len(texts)}", param="input")
         if request.dimensions is not None and request.dimensions != client.model.hidden_size:
             raise ServiceError(400, f"dimensions must be {client.model.hidden_size} for this model",
                                param="dimensions")
-        try:  # in a worker thread: the tokenizer is serialised, and the event loop must not wait on it
-            tokens = await asyncio.to_thread(client.model.tokens, texts)
-        except ValueError as error:
-            raise ServiceError(400, str(error), param="input") from None
-        too_long = tokens.longer_than(max_length)
-        if too_long and not truncate:
-            raise ServiceError(400, f"inputs {too_long[:10]} exceed the model's maximum of {max_length} tokens "
-                                    "(start the gateway with --truncate to cut them instead)",
-                               param="input", code="context_length_exceeded")
-        try:
-            # "count": cut texts are reported in the x-privlm-truncated header, not as a warning
-            encoded = await asyncio.to_thread(client.encode_with_report, tokens, principal=principal,
-                                              truncation="count")
-        except ServerError as error:
-            raise ServiceError(502, f"the SnD server failed: {error}", type="upstream_error") from None
-        except ValueError as error:
-            raise ServiceError(400, str(error)) from None
-        data = [_embedding_item(i, v, request.encoding_format) for i, v in enumerate(encoded.vectors)]
-        usage = {"prompt_tokens": encoded.report.tokens, "total_tokens": encoded.report.tokens}
-        return JSONResponse({"object": "list", "data": data, "model": model_id, "usage": usage},
-                            headers=_privacy_headers(client, encoded, too_long))
+        tokens = await tokenize(texts)
+        caller = principal if not auth.open else f"request-{uuid.uuid4()}"  # open: fair between requests
+        encoded = await encode(tokens, caller, principal)
+        content = await asyncio.to_thread(_render, model_id, encoded, request.encoding_format)
+        return Response(content, media_type="application/json",
+                        headers=_privacy_headers(client, encoded, tokens.longer_than(max_length)))
 
-    return create_service_app(title="privlm gateway (OpenAI-compatible embeddings)", routers=[router], auth=auth,
+    return create_service_app(title="privlm gateway (OpenAI-compatible embeddings)",
+                              routers=[router, catalog_router(offered)], auth=auth,
                               max_request_bytes=max_request_bytes,
-                              health=lambda: {"eta": client.eta, "server": str(client.http.base_url)})
+                              health=lambda: {"model": model_id, "eta": client.eta}, **service)

@@ -2,7 +2,9 @@
 
 POST /v1/snd/encode      privatized token embeddings + mask in, pooled embeddings out
 GET  /v1/snd/bundle      what a client needs, with sha256 per file; files under /v1/snd/bundle/files/
-GET  /health, /v1/models, /metrics (Prometheus text)
+GET  /health, /v1/models, /v1/models/{id}, /metrics (Prometheus text)
+
+Every encode answer carries the weights fingerprint of the model that computed it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Unpack
 
 import torch
 from fastapi import APIRouter, FastAPI, Request
@@ -17,19 +20,51 @@ from fastapi.responses import Response
 from prometheus_client import Histogram
 
 from privlm.models import SplitModel
-from privlm.service import BearerKeys, MicroBatcher, create_service_app
+from privlm.service import (
+    BearerKeys,
+    MicroBatcher,
+    ModelEntry,
+    ServiceOptions,
+    catalog_router,
+    create_service_app,
+    public_model_name,
+)
 from privlm.snd.artefacts import default_denoiser_dir
 from privlm.snd.service.bundle import BUNDLE_PATH, snd_bundle
-from privlm.wire import RAW, SAFETENSORS, Limits, read_sequences, write_rows
+from privlm.wire import MODEL_FINGERPRINT_HEADER, RAW, SAFETENSORS, Limits, WireError, read_sequences, write_rows
 
-_BINARY_BODY = {"requestBody": {"required": True, "content": {
-    SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
-    RAW: {"schema": {"type": "string", "format": "binary"}}}}}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+
+
+def _header(name: str, pattern: str, description: str) -> dict[str, object]:
+    return {"name": name, "in": "header", "required": False, "description": description,
+            "schema": {"type": "string", "pattern": pattern}}
+
+
+# What the encode route really reads and answers. A raw body needs its three X-Privlm-* headers (a
+# safetensors body carries dtype and shape itself): without them it is refused with a 422.
+_ENCODE_OPENAPI: dict[str, object] = {
+    "parameters": [
+        _header("X-Privlm-Dtype", "^(float32|float16)$", "Raw bodies only (required there): the array's dtype."),
+        _header("X-Privlm-Shape", r"^[0-9]+,[0-9]+,[0-9]+$", "Raw bodies only (required there): 'B,n,d'."),
+        _header("X-Privlm-Lengths", r"^[0-9]+(,[0-9]+)*$",
+                "Raw bodies only (required there): each row's unpadded length, 'l1,...,lB'.")],
+    "requestBody": {"required": True, "content": {SAFETENSORS: _BINARY, RAW: _BINARY}},
+    "responses": {"200": {
+        "description": "Pooled embeddings (B, d), in the request's format and dtype (raw: X-Privlm-Dtype and "
+                       "X-Privlm-Shape 'B,d' describe the array).",
+        "content": {SAFETENSORS: _BINARY, RAW: _BINARY},
+        "headers": {MODEL_FINGERPRINT_HEADER: {"description": "sha256 of the weights that computed the answer",
+                                               "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}}},
+        "422": {"description": "Malformed payload: not finite, wrong shape or dtype, a raw body without its "
+                               "X-Privlm-* headers, or values so large that the model's output is not finite"}}}
 
 
 def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None, api_keys: Sequence[str] = (),
-               limits: Limits | None = None, max_batch_rows: int = 64, max_wait_ms: float = 5.0) -> FastAPI:
-    """The server for ``model``. Bearer ``api_keys`` (if any) guard every endpoint but /health."""
+               limits: Limits | None = None, max_batch_rows: int = 64, max_wait_ms: float = 5.0,
+               **service: Unpack[ServiceOptions]) -> FastAPI:
+    """The server for ``model``. Bearer ``api_keys`` (if any) guard every endpoint but /health; ``service``
+    options (docs, allowed hosts, in-flight cap, body timeout) go to :func:`create_service_app`."""
     if denoiser_dirs is None:
         default = default_denoiser_dir(str(model.name))
         denoiser_dirs = [default] if (default / "denoiser.json").exists() else []
@@ -49,24 +84,25 @@ def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None
         await batcher.stop()
 
     router = APIRouter(tags=["snd"])
+    name, fingerprint = public_model_name(str(model.name)), model.weights_fingerprint
+    catalog = catalog_router([ModelEntry(id=name, dim=model.hidden_size, fingerprint=fingerprint)])
 
-    @router.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "privlm",
-                                            "dim": model.hidden_size}]}
-
-    @router.post("/v1/snd/encode", openapi_extra=_BINARY_BODY, response_class=Response)
+    @router.post("/v1/snd/encode", openapi_extra=_ENCODE_OPENAPI, response_class=Response)
     async def encode(request: Request) -> Response:
-        """Pooled embeddings (B, d) of privatized token embeddings (B, n, d), in the request's dtype and format."""
+        """Pooled embeddings (B, d) of privatized token embeddings (B, n, d), in the request's dtype and format.
+        The answer names the weights it came from (``x-privlm-model-fingerprint``)."""
         sequences = read_sequences(await request.body(), request.headers, limits)
         pooled = await batcher.submit(sequences.embeddings, sequences.attention_mask)
+        if not torch.isfinite(pooled).all():  # finite but huge inputs (1e38, say) overflow inside the model
+            raise WireError("the model's output is not finite for these embeddings: their values are too large",
+                            limit="finite")
         content, headers = write_rows(pooled, dtype=sequences.dtype, fmt=sequences.format)
-        return Response(content, headers=headers)
+        return Response(content, headers=headers | {MODEL_FINGERPRINT_HEADER: fingerprint})
 
-    app = create_service_app(title="privlm SnD server", routers=[router, bundle.router(BUNDLE_PATH)],
+    app = create_service_app(title="privlm SnD server", routers=[router, catalog, bundle.router(BUNDLE_PATH)],
                              auth=BearerKeys(api_keys), max_request_bytes=limits.max_request_bytes,
-                             health=lambda: {"model": model.name, "fingerprint": model.fingerprint},
-                             lifespan=lifespan)
+                             health=lambda: {"model": name, "fingerprint": fingerprint},
+                             lifespan=lifespan, **service)
     rows = Histogram("privlm_batch_rows", "Sentences per forward pass", registry=app.state.metrics.registry,
                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
     batcher.on_batch = rows.observe

@@ -1,0 +1,556 @@
+"""Issue 10: the SnD server, client and gateway attacked by a hostile server, hostile clients and long
+outages. Each test reproduces one finding against real servers on localhost and names it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+
+from privlm.models import SplitModel
+from privlm.service import FairScheduler, RequestRefusedError, RetryPolicy, ServerError
+from privlm.snd import Client, IncompleteEncodingError
+from privlm.snd.service.bundle import BUNDLE_PATH, snd_bundle
+from privlm.snd.service.client import ModelChangedError
+from privlm.snd.service.gateway import MAX_REQUEST_TOKENS, create_gateway
+from privlm.snd.service.server import create_app
+from privlm.wire import MODEL_FINGERPRINT_HEADER, read_rows, write_rows, write_sequences
+from tests.models.tiny import tiny_bert_folder
+from tests.service.localhost import serving
+
+TEXTS = ["the cat sat", "a dog", "the mat", "a cat sat on the mat", "the dog sat", "a mat"]
+MODEL = "privlm-snd-model"  # the gateway's id for a model loaded from a folder named "model"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> SplitModel:
+    return SplitModel.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tiny") / "model"), device="cpu")
+
+
+class Upstream:
+    """ASGI wrapper of a real server whose encode route can be swapped at run time: ``encode`` is None
+    (the real server), or an ASGI app that answers in its place (an outage, another model, a liar)."""
+
+    def __init__(self, app) -> None:
+        self.app, self.encode, self.encodes = app, None, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/snd/encode":
+            self.encodes += 1
+            if self.encode is not None:
+                await self.encode(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def answering(status: int, body: dict | None = None) -> Callable:
+    async def app(scope, receive, send) -> None:
+        await JSONResponse(body or {"error": {"message": "down", "type": "server_error"}}, status)(scope, receive, send)
+    return app
+
+
+# --- finding 1: a malicious server writes files anywhere ---------------------------------------------------
+def hostile_bundle_app(model: SplitModel, rename: dict[str, str], *, denoiser: str | None = None,
+                       extra: Callable[[dict], None] = lambda manifest: None) -> FastAPI:
+    """A server that offers the real bundle with some file names replaced (and any other manifest edit)."""
+    bundle = snd_bundle(model, [])
+    manifest = bundle.manifest()
+    for entry in manifest["files"]:
+        entry["name"] = rename.get(entry["name"], entry["name"])
+    if denoiser is not None:
+        manifest["denoisers"] = [{"name": denoiser, "eta_range": [1, 100], "variant": "snd", "fingerprint": "x"}]
+    extra(manifest)
+    contents = {rename.get(name, name): file.content for name, file in bundle.files.items()}
+    app = FastAPI()
+
+    @app.get(BUNDLE_PATH)
+    async def served_manifest() -> dict:
+        return manifest
+
+    @app.get(BUNDLE_PATH + "/files/{name:path}")
+    async def served_file(name: str) -> Response:
+        return Response(contents.get(name, b""))
+
+    return app
+
+
+@pytest.mark.parametrize("name", ["../../escaped.pth", "/tmp/privlm-escaped.pth", "tokenizer/../../../escaped.pth",
+                                  "..", "a\\..\\..\\escaped.pth", "./model.json"])
+def test_finding_1_a_hostile_bundle_cannot_write_outside_the_cache(tiny, tmp_path, name):
+    cache = tmp_path / "cache"
+    app = hostile_bundle_app(tiny, {"model.json": name})
+    with serving(app) as url, pytest.raises(ServerError, match="plain relative name"):
+        Client(url, eta=5.0, cache_dir=cache, device="cpu", denoiser=None)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert all(p.is_relative_to(cache) for p in written)
+    assert not Path("/tmp/privlm-escaped.pth").exists()
+
+
+def test_finding_1_a_hostile_denoiser_name_is_refused(tiny, tmp_path):
+    with serving(hostile_bundle_app(tiny, {}, denoiser="../../../etc")) as url, \
+            pytest.raises(ServerError, match="plain relative name"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
+
+
+def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny, tmp_path):
+    def odd_range(manifest: dict) -> None:
+        manifest["denoisers"] = [{"name": "d", "variant": "snd", "eta_range": "all of them"}]
+    with serving(hostile_bundle_app(tiny, {}, extra=odd_range)) as url, pytest.raises(ServerError, match="eta_range"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
+
+
+# --- finding 2: the manifest's URLs sent the API key to any origin -----------------------------------------
+class Recorder:
+    """Another origin that records every request that reaches it."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, str]] = []
+        self.app = FastAPI()
+
+        @self.app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def record(request: Request) -> Response:
+            self.requests.append(dict(request.headers))
+            return Response(b"stolen")
+
+
+def test_finding_2_the_key_never_travels_to_another_origin(tiny, tmp_path):
+    recorder = Recorder()
+    with serving(recorder.app) as elsewhere:
+        def point_elsewhere(manifest: dict) -> None:
+            for entry in manifest["files"]:
+                entry["url"] = f"{elsewhere}/steal/{entry['name']}"
+        # URLs in the manifest are ignored: files come from the server's own fixed paths
+        with serving(hostile_bundle_app(tiny, {}, extra=point_elsewhere)) as url:
+            Client(url, eta=5.0, cache_dir=tmp_path / "a", device="cpu", denoiser=None, api_key="secret-key").close()
+        # a redirect to another origin is not followed
+        redirecting = FastAPI()
+
+        @redirecting.get(BUNDLE_PATH)
+        async def moved() -> Response:
+            return RedirectResponse(f"{elsewhere}/steal", status_code=307)
+
+        with serving(redirecting) as url, pytest.raises(ServerError, match="redirect"):
+            Client(url, eta=5.0, cache_dir=tmp_path / "b", device="cpu", api_key="secret-key", retry_for=2)
+    assert recorder.requests == []
+
+
+# --- finding 3: chunked bodies were read whole before the limit applied ------------------------------------------
+def test_finding_3_the_gateway_refuses_a_chunked_body_over_its_limit(gateway):
+    """9 MiB of JSON sent chunked (no Content-Length) to the gateway's default 8 MiB limit: a 413 once the
+    limit is crossed (the old gateway answered 200). Flat memory: tests/service/test_scaffolding.py."""
+    def chunks():
+        yield b'{"model": "' + MODEL.encode() + b'", "input": ["'
+        for _ in range(9 * 16):
+            yield b"word " * (2**16 // 5)
+        yield b'"]}'
+
+    answer = httpx.post(f"{gateway[0]}/v1/embeddings", content=chunks(), headers={"content-type": "application/json"},
+                        timeout=60)
+    assert answer.status_code == 413 and answer.json()["error"]["param"] == "max_request_bytes"
+
+
+# --- finding 4: a restarted server silently mixed two models -------------------------------------------------
+def other_weights(tiny: SplitModel, tmp_path: Path) -> SplitModel:
+    """The same embedding rows and config, other transformer weights: the old fingerprint could not tell."""
+    other = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "other" / "model"), device="cpu")
+    with torch.no_grad():
+        other.model.encoder.layer[0].attention.self.query.weight.add_(0.5)
+    return other
+
+
+def test_finding_4_the_fingerprint_covers_every_weight(tiny, tmp_path):
+    other = other_weights(tiny, tmp_path)
+    assert other.fingerprint == tiny.fingerprint  # the client-checkable embedding rows are the same
+    assert other.weights_fingerprint != tiny.weights_fingerprint
+
+
+def test_finding_4_a_model_swap_mid_encode_is_refused_and_nothing_mixes(tiny, tmp_path):
+    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+    swapped = create_app(other_weights(tiny, tmp_path), denoiser_dirs=[])
+    with serving(upstream) as url, serving(swapped):
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2)
+        reference = client.encode(TEXTS)
+        assert np.isfinite(reference).all()
+        served = upstream.encodes
+
+        async def after_first_batch(scope, receive, send) -> None:  # "restarted with another model"
+            await (swapped if upstream.encodes > served + 1 else upstream.app)(scope, receive, send)
+        upstream.encode = after_first_batch
+        with pytest.raises(IncompleteEncodingError) as failed:
+            client.encode(TEXTS)
+        client.close()
+    error = failed.value
+    assert isinstance(error.__cause__, ModelChangedError)
+    assert len(error.done) == 2 and len(error.missing) == 4  # one batch from the bundle's model, then refused
+    assert np.isfinite(error.encoded.vectors[error.done]).all()
+    assert np.isnan(error.encoded.vectors[error.missing]).all()  # no row from the other model
+
+
+def test_finding_4_every_encode_answer_names_its_weights(tiny):
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        body, headers = write_sequences(torch.randn(1, 3, tiny.hidden_size), torch.ones(1, 3, dtype=torch.long))
+        answer = httpx.post(f"{url}/v1/snd/encode", content=body, headers=headers)
+        manifest = httpx.get(f"{url}{BUNDLE_PATH}").json()
+    assert answer.headers[MODEL_FINGERPRINT_HEADER] == tiny.weights_fingerprint
+    assert manifest["model"]["weights_fingerprint"] == tiny.weights_fingerprint
+
+
+# --- finding 6: 500s and NaN -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lie", ["rows", "width", "fingerprint", "not-a-tensor"])
+def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny, tmp_path, lie):
+    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+    with serving(upstream) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+
+        async def liar(scope, receive, send) -> None:
+            captured: list[dict] = []
+
+            async def keep(message) -> None:
+                captured.append(message)
+            await upstream.app(scope, receive, keep)
+            start, body = captured[0], b"".join(m.get("body", b"") for m in captured[1:])
+            headers = {k.decode(): v.decode() for k, v in start["headers"]}
+            rows = read_rows(body, headers).numpy()
+            if lie == "fingerprint":
+                headers[MODEL_FINGERPRINT_HEADER] = "0" * 64
+            elif lie == "not-a-tensor":
+                body = b"garbage"
+            else:
+                bad = np.concatenate([rows, rows]) if lie == "rows" else rows[:, :16]
+                body, fresh = write_rows(torch.from_numpy(bad.copy()), dtype="float32", fmt=headers["content-type"])
+                headers |= fresh
+            headers.pop("content-length", None)
+            await Response(body, headers=headers)(scope, receive, send)
+
+        upstream.encode = liar
+        with pytest.raises(ServerError):
+            client.encode(["the cat sat"])
+        with serving(create_gateway(client)) as gateway:
+            answer = httpx.post(f"{gateway}/v1/embeddings", json={"model": MODEL, "input": ["the cat sat"]})
+        client.close()
+    assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error"
+
+
+def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny, tmp_path):
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        with serving(create_gateway(client)) as gateway:
+            body = b'{"model": "' + MODEL.encode() + b'", "input": ["fine", "bad \\ud800 text"]}'
+            answer = httpx.post(f"{gateway}/v1/embeddings", content=body,
+                                headers={"content-type": "application/json"})
+        client.close()
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "input" and "texts[1]" in answer.json()["error"]["message"]
+
+
+def test_finding_6_huge_finite_inputs_get_a_4xx_never_nan(tiny):
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        body, headers = write_sequences(torch.full((2, 4, tiny.hidden_size), 1e38), torch.ones(2, 4, dtype=torch.long))
+        answer = httpx.post(f"{url}/v1/snd/encode", content=body, headers=headers)
+    assert answer.status_code == 422 and answer.json()["error"]["param"] == "finite"
+
+
+# --- finding 7: one request monopolised the gateway --------------------------------------------------------------
+def test_finding_7_a_request_over_the_token_cap_is_refused(tiny, tmp_path):
+    assert MAX_REQUEST_TOKENS == 300_000  # OpenAI's cap, the default
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        with serving(create_gateway(client, max_request_tokens=40)) as gateway:
+            sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
+            assert len(sdk.embeddings.create(model=MODEL, input=["the cat sat"] * 5).data) == 5  # 25 tokens
+            with pytest.raises(openai.BadRequestError) as refused:
+                sdk.embeddings.create(model=MODEL, input=["the cat sat"] * 9)  # 45 tokens
+        client.close()
+    assert refused.value.body["code"] == "max_tokens_per_request" and "45 tokens" in refused.value.body["message"]
+
+
+def test_finding_7_turns_go_round_robin_between_callers():
+    """A caller with one piece of work waits for the turns already running, not for another caller's queue."""
+    async def scenario() -> list[str]:
+        scheduler, order = FairScheduler(capacity=1), []
+
+        async def work(caller: str, label: str) -> None:
+            async with scheduler.turn(caller):
+                order.append(label)
+                await asyncio.sleep(0.01)
+
+        big = [asyncio.create_task(work("alice", f"alice-{i}")) for i in range(6)]
+        await asyncio.sleep(0)  # alice's six are queued (one running)
+        small = asyncio.create_task(work("bob", "bob"))
+        await asyncio.gather(*big, small)
+        assert scheduler.running == 0 and scheduler.waiting == 0
+        return order
+
+    order = asyncio.run(scenario())
+    assert order.index("bob") == 1  # right after the turn that was running when bob came
+
+
+def test_finding_7_a_cancelled_wait_gives_its_turn_back():
+    async def scenario() -> None:
+        scheduler = FairScheduler(capacity=1)
+        async with scheduler.turn("a"):
+            waiting = asyncio.create_task(scheduler.turn("b").__aenter__())
+            await asyncio.sleep(0)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+        assert scheduler.running == 0 and scheduler.waiting == 0
+    asyncio.run(scenario())
+
+
+class SlowEncodes:
+    """ASGI wrapper: every encode takes ``delay`` s upstream (a slow server half)."""
+
+    def __init__(self, app, delay: float) -> None:
+        self.app, self.delay = app, delay
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/snd/encode":
+            await asyncio.sleep(self.delay)
+        await self.app(scope, receive, send)
+
+
+def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny, tmp_path):
+    """One caller's 60-batch request (about 9 s upstream) runs; another caller's one-text request, sent
+    during it, is answered within a few batch times, with one turn at a time."""
+    delay = 0.15
+    with serving(SlowEncodes(create_app(tiny, denoiser_dirs=[]), delay)) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=1)
+        with serving(create_gateway(client, api_keys=["alice", "bob"], max_concurrent_batches=1)) as gateway:
+            def post(key: str, texts: list[str]) -> tuple[int, float]:
+                started = time.perf_counter()
+                status = httpx.post(f"{gateway}/v1/embeddings", json={"model": MODEL, "input": texts},
+                                    headers={"authorization": f"Bearer {key}"}, timeout=120).status_code
+                return status, time.perf_counter() - started
+
+            with ThreadPoolExecutor(2) as pool:
+                big = pool.submit(post, "alice", ["the cat sat on the mat"] * 60)
+                time.sleep(1.0)
+                small_status, small_latency = post("bob", ["a dog"])
+                big_status, big_latency = big.result()
+        client.close()
+    assert small_status == big_status == 200
+    assert big_latency > 60 * delay  # the big one really was running
+    assert small_latency < 10 * delay  # bound: a few batch times, not the big request's remaining ~8 s
+
+
+# --- finding 8: long outages lost finished work --------------------------------------------------------------------
+def test_finding_8_the_default_retry_budget_outlasts_a_cold_start():
+    assert RetryPolicy().retry_for >= 30.0  # a cold `privlm serve` start took 9.1 s; the old budget was ~8 s
+
+
+def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny, tmp_path):
+    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+    with serving(upstream) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2,
+                        backoff=0.1, retry_for=20)
+        upstream.encode = answering(503)
+        threading.Timer(1.5, lambda: setattr(upstream, "encode", None)).start()  # back after 1.5 s
+        vectors = client.encode(TEXTS)
+        client.close()
+    assert np.isfinite(vectors).all() and client.retry.failed_attempts >= 2
+
+
+def test_finding_8_finished_batches_survive_an_outage_past_the_budget(tiny, tmp_path):
+    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+    with serving(upstream) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2,
+                        backoff=0.05, retry_for=1.0)
+        served = upstream.encodes
+
+        async def down_after_two(scope, receive, send) -> None:
+            if upstream.encodes > served + 2:
+                await answering(503)(scope, receive, send)
+            else:
+                await upstream.app(scope, receive, send)
+        upstream.encode = down_after_two
+        with pytest.raises(IncompleteEncodingError, match="4 of 6 texts were encoded") as failed:
+            client.encode(TEXTS)
+        upstream.encode = None
+        rest = client.encode([TEXTS[i] for i in failed.value.missing])  # finish the rest
+        client.close()
+    error = failed.value
+    assert len(error.done) == 4 and np.isfinite(error.encoded.vectors[error.done]).all()
+    assert rest.shape == (2, tiny.hidden_size)
+
+
+def test_finding_8_timeouts_are_resent_only_when_idempotent():
+    attempts = []
+
+    def timing_out(request: httpx.Request) -> httpx.Response:
+        attempts.append(request)
+        if len(attempts) == 1:
+            raise httpx.ReadTimeout("slow", request=request)
+        return httpx.Response(200)
+
+    http = httpx.Client(transport=httpx.MockTransport(timing_out), base_url="http://server")
+    policy = RetryPolicy(retry_for=5, backoff=0.0)
+    assert policy.call(lambda: http.post("/encode")).status_code == 200 and len(attempts) == 2
+    attempts.clear()
+    with pytest.raises(ServerError, match="not resent"):
+        policy.call(lambda: http.post("/charge"), idempotent=False)
+    assert len(attempts) == 1  # it may have arrived: never sent twice
+
+    attempts.clear()
+
+    def refusing_to_connect(request: httpx.Request) -> httpx.Response:
+        attempts.append(request)
+        if len(attempts) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200)
+
+    http = httpx.Client(transport=httpx.MockTransport(refusing_to_connect), base_url="http://server")
+    assert policy.call(lambda: http.post("/charge"), idempotent=False).status_code == 200  # it never left
+
+
+# --- finding 9: OpenAI compatibility ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gateway(tiny, tmp_path_factory):
+    upstream = Upstream(create_app(tiny, denoiser_dirs=[], api_keys=["server-key"]))
+    with serving(upstream) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path_factory.mktemp("cache"), device="cpu", denoiser=None,
+                        api_key="server-key")
+        with serving(create_gateway(client)) as gateway_url:
+            yield gateway_url, upstream
+        client.close()
+
+
+def test_finding_9_a_wrong_model_is_404_model_not_found(gateway):
+    url, _ = gateway
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.embeddings.create(model="text-embedding-3-small", input="the cat sat")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("text-embedding-3-small")
+    assert [m.id for m in sdk.models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/embeddings", 405), ("GET", "/nowhere", 404),
+                                                         ("DELETE", "/v1/models", 405)])
+def test_finding_9_404_and_405_come_in_openais_shape(gateway, method, path, status):
+    answer = httpx.request(method, gateway[0] + path)
+    assert answer.status_code == status
+    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("payload", [
+    {"model": MODEL, "input": ["fine", {"text": "my secret diagnosis"}]},
+    {"model": MODEL, "input": "my secret diagnosis", "encoding_format": "my secret diagnosis"},
+    {"model": MODEL, "input": ["my secret diagnosis"], "dimensions": "my secret diagnosis"},
+    {"model": MODEL, "input": ["   ", "my secret diagnosis"]},
+    {"model": MODEL, "input": [["my secret diagnosis"]]},
+])
+def test_finding_9_errors_never_echo_the_callers_text(gateway, payload):
+    answer = httpx.post(f"{gateway[0]}/v1/embeddings", json=payload)
+    assert answer.status_code == 400
+    assert "secret" not in answer.text and "diagnosis" not in answer.text
+    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_finding_9_an_upstream_401_is_a_502_not_the_callers_400(gateway):
+    url, upstream = gateway
+    upstream.encode = answering(401, {"error": {"message": "missing or invalid API key",
+                                                "type": "authentication_error", "code": "invalid_api_key"}})
+    try:
+        answer = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": ["the cat sat"]})
+    finally:
+        upstream.encode = None
+    assert answer.status_code == 502
+    assert answer.json()["error"]["code"] == "upstream_authentication_failed"
+
+
+def test_refused_requests_carry_the_servers_status_and_code():
+    http = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(
+        413, json={"error": {"message": "too big", "type": "invalid_request_error", "code": "limit_exceeded"}})))
+    with pytest.raises(RequestRefusedError) as refused:
+        RetryPolicy().call(lambda: http.get("http://server/"))
+    assert (refused.value.status, refused.value.code, refused.value.server_message) == (413, "limit_exceeded",
+                                                                                          "too big")
+
+
+# --- finding 10: smaller leaks and gaps ------------------------------------------------------------------------------
+def test_finding_10_health_and_bundle_reveal_no_paths_or_credentials(tiny, tmp_path):
+    folder = str(Path(tiny.name).parent)  # the operator's filesystem path to the model
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        port = url.rsplit(":", 1)[1]
+        seen = [httpx.get(f"{url}{path}").text for path in ("/health", "/v1/models", BUNDLE_PATH)]
+        manifest = httpx.get(f"{url}{BUNDLE_PATH}").json()
+        seen += [httpx.get(f"{url}{BUNDLE_PATH}/files/{f['name']}").content.decode("utf-8", "replace")
+                 for f in manifest["files"] if not f["name"].endswith(".safetensors")]
+        client = Client(f"http://operator:hunter2@127.0.0.1:{port}", eta=5.0, cache_dir=tmp_path / "cache",
+                        device="cpu", denoiser=None)
+        with serving(create_gateway(client)) as gateway:
+            health = httpx.get(f"{gateway}/health").text
+        client.close()
+    assert all(folder not in text and "_name_or_path" not in text for text in seen)
+    assert "hunter2" not in health and "operator" not in health and port not in health
+
+
+def test_finding_10_unknown_and_contentless_texts_are_reported(gateway):
+    texts = ["the cat sat", "x" * 300, "\u200b\u200b\u200b", "a dog"]  # 300 chars: [UNK]; zero-width: nothing
+    answer = httpx.post(f"{gateway[0]}/v1/embeddings", json={"model": MODEL, "input": texts})
+    assert answer.status_code == 200
+    assert answer.headers["x-privlm-unknown-tokens"] == "1"
+    assert answer.headers["x-privlm-no-content"] == "2"
+
+
+def test_finding_10_the_library_reports_and_warns_about_them_too(tiny):
+    from privlm.snd import SnDEncoder
+
+    encoder = SnDEncoder(tiny, eta=5.0, denoiser=None)
+    with pytest.warns(UserWarning) as caught:
+        encoded = encoder.encode_with_report(["x" * 300, "the cat", "\u200b"])
+    messages = [str(w.message) for w in caught]
+    assert any("texts [0] hold unknown tokens" in m for m in messages)
+    assert any("texts [2] have no content tokens" in m for m in messages)
+    assert encoded.report.unknown_indices == [0] and encoded.report.contentless_indices == [2]
+
+
+# --- finding 11: the OpenAPI schemas say what the services do ------------------------------------------------------
+def test_finding_11_real_answers_conform_to_the_server_openapi(tiny):
+    from privlm.wire import RAW, SAFETENSORS
+    from tests.service.fuzz import conforming
+
+    with serving(create_app(tiny, denoiser_dirs=[], api_keys=["k"])) as url:
+        key = {"authorization": "Bearer k"}
+        embeddings, mask = torch.randn(2, 3, tiny.hidden_size), torch.ones(2, 3, dtype=torch.long)
+        statuses = []
+        for fmt in (SAFETENSORS, RAW):
+            body, headers = write_sequences(embeddings, mask, fmt=fmt)
+            statuses.append(conforming(url, "POST", "/v1/snd/encode", body=body, media_type=fmt,
+                                       headers=key | headers).status_code)
+        body, _ = write_sequences(embeddings, mask, fmt=RAW)  # a raw body without its X-Privlm-* headers
+        statuses.append(conforming(url, "POST", "/v1/snd/encode", body=body, media_type=RAW, headers=key).status_code)
+        statuses.append(conforming(url, "POST", "/v1/snd/encode", body=body, media_type=RAW).status_code)  # no key
+        statuses.append(conforming(url, "GET", "/v1/models/{model_id}", path_parameters={"model_id": "nope"},
+                                   headers=key).status_code)
+        statuses.append(conforming(url, "GET", "/v1/models/{model_id}", path_parameters={"model_id": "model"},
+                                   headers=key).status_code)
+    assert statuses == [200, 200, 422, 401, 404, 200]
+
+
+def test_finding_11_real_answers_conform_to_the_gateway_openapi(gateway):
+    from tests.service.fuzz import conforming
+
+    url, upstream = gateway
+    statuses = [conforming(url, "POST", "/v1/embeddings", body={"model": MODEL, "input": text}).status_code
+                for text in (["the cat sat", "a dog"], "the cat sat", ["  "])]
+    statuses.append(conforming(url, "POST", "/v1/embeddings", body={"model": "gpt", "input": "a"}).status_code)
+    upstream.encode = answering(500)  # final at once (a busy 503 would be retried for a minute)
+    try:
+        statuses.append(conforming(url, "POST", "/v1/embeddings", body={"model": MODEL, "input": "a"}).status_code)
+    finally:
+        upstream.encode = None
+    assert statuses == [200, 200, 400, 404, 502]
