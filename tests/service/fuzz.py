@@ -24,7 +24,12 @@ from schemathesis.checks import (
     unsupported_method,
 )
 
-# Not ignored_auth: it re-sends with the session's headers; auth is tested on its own.
+# Not ignored_auth: it re-sends with the session's headers; auth is tested on its own. Not
+# positive_data_acceptance: a tensor payload's validity (bytes that match the declared dtype and shape, a
+# shape within the server's limits and of the model's dimension) cannot be expressed in OpenAPI, so
+# schema-valid random bytes are rightly refused. missing_required_header and unsupported_method judge the
+# cases of schemathesis's coverage phase (each required header left out, undocumented methods), which
+# `fuzz_openapi` runs too.
 CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
                response_schema_conformance, negative_data_rejection, missing_required_header, unsupported_method]
 
@@ -49,6 +54,11 @@ def fuzz_openapi(url: str, *, headers: dict[str, str] | None = None, max_example
             seen.append((case.path, response.status_code))
 
         conforms()
+        modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+        for case in schema.iter_coverage_cases(operation, generation_modes=modes,
+                                               generation_config=schema.config.generation_for(operation=operation)):
+            response = case.call_and_validate(headers=headers, checks=CONFORMANCE)
+            seen.append((case.path, response.status_code))
     return seen
 
 

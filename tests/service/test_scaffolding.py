@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from privlm.accounting import BudgetExhaustedError
 from privlm.mechanisms import PrivacyUnit
 from privlm.service import BearerKeys, Bundle, RetryPolicy, ServerError, ServiceError, create_service_app
-from privlm.service.bundle import check_file_name, download_bundle
+from privlm.service.bundle import ERROR_BODY_LIMIT, check_file_name, download_bundle, get_capped
 from privlm.wire import WireError
 from tests.service.localhost import serving
 
@@ -219,21 +219,74 @@ def test_finding_1_bundles_download_by_name_verify_and_stay_in_their_folder(tmp_
     assert all(set(entry) == {"name", "sha256", "size"} for entry in manifest["files"])  # names, never URLs
     fetched = []
 
-    def fetch(name: str) -> bytes:
-        fetched.append(name)
+    def fetch(name: str, size: int) -> bytes:
+        fetched.append((name, size))
         return bundle.files[name].content
 
-    folder = download_bundle(manifest, fetch, tmp_path, namespace="toy")
-    assert (folder / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n" and len(fetched) == 2
-    download_bundle(manifest, fetch, tmp_path, namespace="toy")
+    def toy(name: str) -> bool:
+        return name in {"model.json", "tokenizer/vocab.txt"}
+
+    folder = download_bundle(manifest, fetch, tmp_path, namespace="toy", allowed=toy)
+    assert (folder / "tokenizer" / "vocab.txt").read_bytes() == b"a\nb\n"
+    assert fetched == [("model.json", 2), ("tokenizer/vocab.txt", 4)]  # each with the size it must not exceed
+    download_bundle(manifest, fetch, tmp_path, namespace="toy", allowed=toy)
     assert len(fetched) == 2  # intact files are reused
     evil = json.loads(json.dumps(manifest))
     evil["files"].append({"name": "../../escaped.txt", "sha256": hashlib.sha256(b"x").hexdigest(), "size": 1})
     with pytest.raises(ServerError, match="plain relative name"):
-        download_bundle(evil, lambda _: b"x", tmp_path / "cache", namespace="toy")
+        download_bundle(evil, lambda *_: b"x", tmp_path / "cache", namespace="toy", allowed=lambda _: True)
     assert not list(tmp_path.rglob("escaped.txt"))
     with pytest.raises(ServerError, match="sha256"):
-        download_bundle(manifest, lambda name: b"tampered", tmp_path / "other", namespace="toy")
+        download_bundle(manifest, lambda *_: b"tampered", tmp_path / "other", namespace="toy", allowed=toy)
+
+
+@pytest.mark.parametrize("size", [-1, True, 1.5, "1"])
+def test_finding_1_a_manifest_entry_with_an_odd_size_is_refused(tmp_path, size):
+    manifest = {"files": [{"name": "model.json", "sha256": "0" * 64, "size": size}]}
+    with pytest.raises(ServerError, match="malformed"):
+        download_bundle(manifest, lambda *_: b"", tmp_path, namespace="toy", allowed=lambda _: True)
+
+
+def test_finding_1_a_name_outside_the_allowed_set_is_refused_before_anything_is_fetched(tmp_path):
+    bundle = Bundle(format="toy/1")
+    bundle.add("model.json", b"{}")
+    bundle.add("startup/run.py", b"import os")  # well formed, but not a file this kind of bundle holds
+    fetched: list[str] = []
+    with pytest.raises(ServerError, match=r"'startup/run\.py', not a file this kind of bundle holds"):
+        download_bundle(bundle.manifest(), lambda name, size: fetched.append(name) or b"", tmp_path,
+                        namespace="toy", allowed=lambda name: name == "model.json")
+    assert fetched == [] and not list(tmp_path.rglob("*"))
+
+
+def _capped(handler, limit: int, **retry) -> tuple[httpx.Response, list[int]]:
+    served: list[int] = []
+
+    def counting(request: httpx.Request) -> httpx.Response:
+        response = handler(request)
+        served.append(response.status_code)
+        return response
+
+    with httpx.Client(base_url="http://toy", transport=httpx.MockTransport(counting)) as http:
+        return get_capped(http, "/f", limit, RetryPolicy(backoff=0, **retry)), served
+
+
+def test_finding_1_capped_reads_stop_at_the_limit_and_are_not_retried():
+    def endless(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=iter(lambda: b"x" * 1000, None))  # never ends
+
+    with pytest.raises(ServerError, match="limit of 4096 bytes"):
+        _capped(endless, 4096)
+    with pytest.raises(ServerError, match="declares 5000 bytes, over its limit of 4096"):  # by content-length
+        _capped(lambda request: httpx.Response(200, content=b"x" * 5000), 4096)
+    response, served = _capped(lambda request: httpx.Response(200, content=b"x" * 4096,
+                                                              headers={"x-privlm-sha256": "s"}), 4096)
+    assert response.content == b"x" * 4096 and response.headers["x-privlm-sha256"] == "s" and served == [200]
+    busy = iter([httpx.Response(503, content=iter(lambda: b"x" * 1000, None)), httpx.Response(200, content=b"ok")])
+    response, served = _capped(lambda request: next(busy), 10)  # an endless error body is cut, the 503 retried
+    assert response.content == b"ok" and served == [503, 200]
+    refused = httpx.Response(400, json={"error": {"message": "bad name", "code": "nope"}})
+    with pytest.raises(ValueError, match="bad name"):  # an error body under the cap reads as before
+        _capped(lambda request: refused, ERROR_BODY_LIMIT)
 
 
 def test_finding_3_a_body_without_an_accepted_key_is_refused_before_it_is_read(url):

@@ -14,8 +14,16 @@ def _batch():
     return embeddings, mask
 
 
-def _safetensors(body):
-    return read_sequences(body, {"content-type": SAFETENSORS}, LIMITS)
+def _declaring(embeddings, mask):
+    """The X-Privlm-* headers that truthfully declare a (B, n, d) batch and its right-padded mask."""
+    return {"x-privlm-dtype": "float16" if embeddings.dtype == torch.float16 else "float32",
+            "x-privlm-shape": ",".join(str(s) for s in embeddings.shape),
+            "x-privlm-lengths": ",".join(str(int(n)) for n in mask.sum(dim=1))}
+
+
+def _safetensors(body, declared=None, **headers):
+    declared = declared or {"x-privlm-dtype": "float32", "x-privlm-shape": "1,2,8", "x-privlm-lengths": "2"}
+    return read_sequences(body, {"content-type": SAFETENSORS, **declared, **headers}, LIMITS)
 
 
 def _raw(body, dtype, shape, lengths):
@@ -44,7 +52,7 @@ def test_limits_are_named():
     ]
     for values, m, limit in cases:
         with pytest.raises(WireError) as error:
-            _safetensors(save({"embeddings": values, "attention_mask": m.to(torch.uint8)}))
+            _safetensors(save({"embeddings": values, "attention_mask": m.to(torch.uint8)}), _declaring(values, m))
         assert error.value.limit == limit and limit in str(error.value)
     with pytest.raises(WireError, match="max_request_bytes"):
         _safetensors(b"x" * 10_001)
@@ -53,17 +61,19 @@ def test_limits_are_named():
     assert wrong_type.value.status == 415
 
 
-@pytest.mark.parametrize(("embeddings", "mask", "match"), [
-    (torch.full((1, 2, 8), float("nan")), torch.ones(1, 2, dtype=torch.uint8), "NaN or inf"),
-    (torch.ones(1, 2, 8, dtype=torch.float64), torch.ones(1, 2, dtype=torch.uint8), "float32 or float16"),
-    (torch.ones(1, 2, 8), torch.tensor([[0, 1]], dtype=torch.uint8), "right-padded"),
-    (torch.ones(1, 2, 8), torch.tensor([[2, 1]], dtype=torch.uint8), "only 0 and 1"),
-    (torch.ones(1, 2, 8), torch.zeros(1, 2, dtype=torch.uint8), "at least one"),
-    (torch.ones(2, 8), torch.ones(2, dtype=torch.uint8), r"must be \(B, n, d\)"),
+# Each body comes with well-formed headers declaring (1, 2, 8) float32 of length 2 (or 1, to match the
+# mask where it can): the test is about the body.
+@pytest.mark.parametrize(("embeddings", "mask", "lengths", "match"), [
+    (torch.full((1, 2, 8), float("nan")), torch.ones(1, 2, dtype=torch.uint8), "2", "NaN or inf"),
+    (torch.ones(1, 2, 8, dtype=torch.float64), torch.ones(1, 2, dtype=torch.uint8), "2", "float32 or float16"),
+    (torch.ones(1, 2, 8), torch.tensor([[0, 1]], dtype=torch.uint8), "1", "right-padded"),
+    (torch.ones(1, 2, 8), torch.tensor([[2, 1]], dtype=torch.uint8), "2", "only 0 and 1"),
+    (torch.ones(1, 2, 8), torch.zeros(1, 2, dtype=torch.uint8), "1", "at least one"),
+    (torch.ones(2, 8), torch.ones(2, dtype=torch.uint8), "2", r"must be \(B, n, d\)"),
 ])
-def test_malformed_tensors_are_refused(embeddings, mask, match):
+def test_malformed_tensors_are_refused(embeddings, mask, lengths, match):
     with pytest.raises(WireError, match=match):
-        _safetensors(save({"embeddings": embeddings, "attention_mask": mask}))
+        _safetensors(save({"embeddings": embeddings, "attention_mask": mask}), **{"x-privlm-lengths": lengths})
 
 
 def test_garbage_and_wrong_names_are_refused():
@@ -77,9 +87,52 @@ def test_raw_headers_are_checked():
     body = np.zeros((1, 2, 8), dtype="<f4").tobytes()
     for dtype, shape, lengths, match in [("int64", "1,2,8", "2", "Dtype"), ("float32", "1,2", "2", "B,n,d"),
                                          ("float32", "1,2,8", "2,2", "entries"), ("float32", "1,3,8", "2", "bytes"),
-                                         ("float32", "1,2,8", "3", "lengths"), ("float32", "a,b,c", "2", "integers")]:
+                                         ("float32", "1,2,8", "3", "lengths"), ("float32", "a,b,c", "2", "integers"),
+                                         ("float32", "+1,2,8", "2", "integers"), ("float32", "1,2,8", "x", "Lengths"),
+                                         ("float32", "1,2,8", "0", "Lengths")]:
         with pytest.raises(WireError, match=match):
             _raw(body, dtype, shape, lengths)
+
+
+@pytest.mark.parametrize("fmt", [SAFETENSORS, RAW])
+@pytest.mark.parametrize(("header", "limit"), [("x-privlm-dtype", "dtype"), ("x-privlm-shape", "shape"),
+                                               ("x-privlm-lengths", "lengths")])
+def test_both_formats_need_their_headers(fmt, header, limit):
+    embeddings, mask = _batch()
+    body, headers = write_sequences(embeddings, mask, fmt=fmt)
+    assert set(headers) == {"content-type", "x-privlm-dtype", "x-privlm-shape", "x-privlm-lengths"}
+    del headers[header]
+    with pytest.raises(WireError, match=f"{header.title()} header is required") as error:
+        read_sequences(body, headers, LIMITS)
+    assert error.value.status == 422 and error.value.limit == limit
+
+
+@pytest.mark.parametrize(("change", "limit", "match"), [
+    ({"x-privlm-dtype": "float16"}, "dtype", "declares float16"),
+    ({"x-privlm-shape": "3,4,8", "x-privlm-lengths": "4,3,1"}, "shape", r"declares \(3, 4, 8\)"),
+    ({"x-privlm-shape": "2,5,8", "x-privlm-lengths": "5,3"}, "shape", r"declares \(2, 5, 8\)"),
+    ({"x-privlm-lengths": "5,3,2"}, "lengths", r"lengths \[5, 3, 1\] but X-Privlm-Lengths declares \[5, 3, 2\]"),
+    ({"x-privlm-lengths": "5,5,5"}, "lengths", "declares"),
+])
+def test_a_safetensors_body_must_match_its_headers(change, limit, match):
+    embeddings, mask = _batch()
+    body, headers = write_sequences(embeddings, mask, fmt=SAFETENSORS)
+    with pytest.raises(WireError, match=match) as error:
+        read_sequences(body, headers | change, LIMITS)
+    assert error.value.status == 422 and error.value.limit == limit
+
+
+@pytest.mark.parametrize("fmt", [SAFETENSORS, RAW])
+@pytest.mark.parametrize(("shape", "lengths", "status", "limit"), [
+    ("5,2,8", "2,2,2,2,2", 413, "max_batch"), ("1,7,8", "7", 413, "max_tokens"), ("1,2,9", "2", 422, "dim"),
+])
+def test_the_declared_shape_is_checked_before_the_body_is_parsed(fmt, shape, lengths, status, limit):
+    garbage = b"\xff" * 64  # neither safetensors nor the declared number of bytes
+    headers = {"content-type": fmt, "x-privlm-dtype": "float32", "x-privlm-shape": shape, "x-privlm-lengths": lengths}
+    with pytest.raises(WireError, match=limit) as error:
+        read_sequences(garbage, headers, LIMITS)
+    assert error.value.status == status and error.value.limit == limit
+    assert "safetensors" not in str(error.value) and "bytes" not in str(error.value)
 
 
 def test_malformed_answers_are_502_wire_errors():

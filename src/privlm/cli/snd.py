@@ -209,8 +209,9 @@ def serve(
     replicas: Annotated[int, typer.Option(help="With --ray: number of replicas.")] = 1,
     replica_cpus: Annotated[float, typer.Option(help="With --ray: CPUs reserved per replica.")] = 1.0,
     ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")] = None,
-    max_in_flight: Annotated[int, typer.Option(help="Requests with a body read or processed at once; more get a "
-                                                    "503 to retry (memory: this times the largest request).")] = 32,
+    max_in_flight: Annotated[int, typer.Option(help="Requests with a body read or processed at once (a quarter of "
+                                                    "them per API key); more get a 503 (429) to retry (memory: "
+                                                    "this times the largest request).")] = 32,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")
                     ] = False,
     allow_keyless: Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
@@ -279,6 +280,8 @@ def gateway(
                                                       "every token row released); none: unlimited.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: one per server model, "
                                                      "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
+    max_in_flight: Annotated[int, typer.Option(help="Requests with a body read or processed at once (a quarter "
+                                                    "of them per API key); more get a 503 (429) to retry.")] = 32,
     docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")
                     ] = False,
     allow_keyless: Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
@@ -294,7 +297,8 @@ def gateway(
     from privlm.snd.service.gateway import create_gateway
 
     keys = _load_keys(api_key, api_key_file, GATEWAY_API_KEYS_ENV)
-    service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs)
+    service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
+                               max_in_flight=max_in_flight)
     server_key = _load_server_key(server_api_key, server_api_key_file)
     if budget is not None and not (budget > 0 and budget != float("inf")):
         raise typer.BadParameter(f"must be finite and > 0, got {budget}", param_hint="--budget")

@@ -41,6 +41,12 @@ class Tokens:
         """Indices of the texts with more than ``max_length`` tokens."""
         return [i for i, ids in enumerate(self.ids) if len(ids) > max_length]
 
+    @classmethod
+    def join(cls, parts: Sequence[Tokens]) -> Tokens:
+        """The tokens of several lists of texts, one after the other."""
+        return cls(texts=tuple(text for part in parts for text in part.texts),
+                   ids=tuple(ids for part in parts for ids in part.ids))
+
     def subset(self, indices: Sequence[int]) -> Tokens:
         return Tokens(texts=tuple(self.texts[i] for i in indices), ids=tuple(self.ids[i] for i in indices))
 

@@ -86,7 +86,8 @@ class SplitModel(TokenEmbedder):
     def weights_fingerprint(self) -> str:
         """sha256 of everything the server half computes with: every parameter and buffer (fp32 bytes, by
         name), the pooling, normalisation and max length. Two servers with equal weights fingerprints
-        give the same answers; ``fingerprint`` (the embedding rows) is what a client can check itself."""
+        compute the same function (up to their device's and dtype's rounding); ``fingerprint`` (the
+        embedding rows) is what a client can check itself."""
         digest = hashlib.sha256(self.fingerprint.encode())
         digest.update(json.dumps([self.pooling, self.normalize, self.max_length]).encode())
         for name, tensor in sorted(self.model.state_dict().items()):

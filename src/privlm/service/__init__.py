@@ -3,13 +3,13 @@
 Server side: :func:`create_service_app` (Bearer keys, body limits, one error model, /health,
 /metrics, the Host check of open services), :func:`run_service` (uvicorn with header timeouts and a cap
 on connections), :class:`MicroBatcher`, :class:`Bundle`. Client side: :class:`RetryPolicy` (one policy
-for sync and async clients) and :func:`download_bundle`.
+for sync and async clients), :func:`download_bundle` and :func:`get_capped`.
 """
 
 from privlm.service.app import ServiceOptions, create_service_app
 from privlm.service.auth import ANONYMOUS, BearerKeys
 from privlm.service.batching import MicroBatcher
-from privlm.service.bundle import Bundle, BundleFile, check_file_name, download_bundle
+from privlm.service.bundle import Bundle, BundleFile, check_file_name, download_bundle, get_capped
 from privlm.service.catalog import ModelEntry, ModelList, catalog_router, check_model, model_not_found
 from privlm.service.disclosure import public_config, public_model_name
 from privlm.service.errors import ErrorBody, ErrorDetail, ServiceError, error_response
@@ -39,6 +39,7 @@ __all__ = [
     "create_service_app",
     "download_bundle",
     "error_response",
+    "get_capped",
     "model_not_found",
     "public_config",
     "public_model_name",

@@ -46,18 +46,20 @@ class ServiceOptions(TypedDict, total=False):
     docs: bool
     allowed_hosts: Sequence[str] | None
     max_in_flight: int
+    max_in_flight_per_caller: int | None
     body_timeout: float
 
 
 def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: BearerKeys, max_request_bytes: int,
                        health: Callable[[], Mapping[str, object]] = dict, lifespan: Lifespan | None = None,
                        version: str = "1", docs: bool = False, allowed_hosts: Sequence[str] | None = None,
-                       max_in_flight: int = MAX_IN_FLIGHT, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+                       max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None,
+                       body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """A service with the system's ``routers`` behind ``auth``; ``health`` adds facts to ``/health``.
 
     ``docs``: serve ``/docs`` and ``/redoc``. ``allowed_hosts``: ``Host`` names answered besides loopback
-    ones (``"*"``: any); by default none on an open service, any on one with keys. ``max_in_flight`` and
-    ``body_timeout``: see :mod:`privlm.service.limits`.
+    ones (``"*"``: any); by default none on an open service, any on one with keys. ``max_in_flight``,
+    ``max_in_flight_per_caller`` and ``body_timeout``: see :mod:`privlm.service.limits`.
     """
     check_positive_int("max_in_flight", max_in_flight)
     check_positive_finite("body_timeout", body_timeout)
@@ -67,7 +69,7 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
     app.state.metrics = metrics
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth, body_timeout=body_timeout,
-                       max_in_flight=max_in_flight)
+                       max_in_flight=max_in_flight, max_in_flight_per_caller=max_in_flight_per_caller)
     hosts = list(allowed_hosts) if allowed_hosts is not None else [] if auth.open else [ANY_HOST]
     app.add_middleware(HostCheckMiddleware, allowed_hosts=hosts)  # before any body is read or key checked
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it also counts refusals
@@ -83,6 +85,16 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
     for router in routers:
         app.include_router(router, dependencies=[Depends(auth.dependency)])
     return app
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: Sequence[object]) -> str:
+    """``input.1`` from pydantic's location: names and indices, without the tags of union branches it tried
+    (``constrained-str``, ``list[str]``)."""
+    return ".".join(str(part) for part in loc if isinstance(part, int)
+                    or (str(part).isidentifier() and str(part) not in _TYPE_TAGS))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -105,14 +117,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_json(_: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
-        param = ".".join(str(part) for part in problems[0].get("loc", ())[1:]) if problems else None
-        summary = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in problems[:3])
+        # The field at fault, by name and index (a JSON syntax error has only a character offset: no field).
+        fields = _field_path(problems[0].get("loc", ())[1:]) if problems else ""
+        param = fields if problems and problems[0].get("type") != "json_invalid" else None
+        summary = "; ".join(f"{_field_path(e.get('loc', ()))}: {e.get('msg', '')}" for e in problems[:3])
         return error_response(400, f"invalid request: {summary}", param=param or None, code="invalid_request")
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail),
-                              type="not_found_error" if error.status_code == 404 else "invalid_request_error")
+        return error_response(error.status_code, str(error.detail),  # headers: a 405's Allow, say
+                              type="not_found_error" if error.status_code == 404 else "invalid_request_error",
+                              headers=dict(error.headers) if error.headers else None)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, error: Exception) -> JSONResponse:

@@ -3,8 +3,10 @@
 Server side, :class:`Bundle` holds the files and serves ``GET {prefix}`` (the manifest) and
 ``GET {prefix}/files/{name}``. Client side, :func:`download_bundle` fetches every listed file from
 those fixed paths on the server it talks to (the manifest carries names, not URLs), checks size and
-sha256, and caches the files by the manifest's hash. File names are plain relative names; anything
-else (absolute, ``..``, odd characters) is refused before it touches the disk.
+sha256, and caches the files by the manifest's hash. File names are plain relative names from the set
+the bundle kind allows; anything else (absolute, ``..``, odd characters, a name the kind never holds) is
+refused before anything is fetched. :func:`get_capped` reads an answer while it streams and stops at a
+size cap, so a hostile server cannot fill the client's memory or disk with an endless body.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+import httpx
 from fastapi import APIRouter
 from fastapi.responses import Response
 
 from privlm.service.errors import ServiceError
-from privlm.service.retry import ServerError
+from privlm.service.retry import RetryPolicy, ServerError
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MAX_PARTS = 4
+MANIFEST_LIMIT = 1 << 20  # bytes of a bundle manifest a client reads at most
+ERROR_BODY_LIMIT = 64 << 10  # bytes of a non-2xx answer's body a client keeps (the status is what counts)
+# Framing headers of the body as it travelled; the rebuilt response holds the decoded bytes instead.
+_FRAMING = ("content-encoding", "content-length", "transfer-encoding")
 
 
 def check_file_name(name: object) -> str:
@@ -83,32 +90,70 @@ class Bundle:
         return router
 
 
+def get_capped(http: httpx.Client, path: str, limit: int, retry: RetryPolicy) -> httpx.Response:
+    """``GET path`` through ``retry``, its body read while it streams: a 2xx body over ``limit`` bytes
+    (decoded) is a :class:`ServerError` as soon as it crosses the limit, and is not retried; a non-2xx
+    body is cut at :data:`ERROR_BODY_LIMIT`. The answer comes back as an ordinary, fully read response."""
+    def send() -> httpx.Response:
+        request = http.build_request("GET", path)
+        response = http.send(request, stream=True)
+        try:
+            cap = limit if response.is_success else ERROR_BODY_LIMIT
+            declared = response.headers.get("content-length", "")  # counts decoded bytes only when not encoded
+            if response.is_success and declared.isdigit() and int(declared) > limit \
+                    and "content-encoding" not in response.headers:
+                raise ServerError(f"the answer to GET {path[:80]} declares {declared} bytes, over its limit of "
+                                  f"{limit} bytes; refusing it")
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) > cap:
+                    if not response.is_success:
+                        del body[cap:]
+                        break
+                    raise ServerError(f"the answer to GET {path[:80]} runs past its limit of {limit} bytes; "
+                                      "refusing it")
+        finally:
+            response.close()
+        headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _FRAMING]
+        return httpx.Response(response.status_code, headers=headers, content=bytes(body), request=request)
+    return retry.call(send)
+
+
 def _entries(manifest: Mapping[str, object]) -> list[tuple[str, str, int]]:
     files = manifest.get("files")
     if not isinstance(files, list):
         raise ServerError("the bundle manifest lists no files")
     entries = []
     for entry in files:
+        size = entry.get("size") if isinstance(entry, dict) else None
         if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
-                or not isinstance(entry.get("size"), int):
+                or not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ServerError(f"malformed bundle manifest entry: {str(entry)[:120]}")
         entries.append((check_file_name(entry.get("name")), entry["sha256"], entry["size"]))
     return entries
 
 
-def download_bundle(manifest: Mapping[str, object], fetch: Callable[[str], bytes], cache: Path, *,
-                    namespace: str) -> Path:
+def download_bundle(manifest: Mapping[str, object], fetch: Callable[[str, int], bytes], cache: Path, *,
+                    namespace: str, allowed: Callable[[str], bool]) -> Path:
     """Every listed file, fetched by name, verified against its size and sha256, written atomically inside
-    ``cache/namespace/<manifest hash>``; files already there and intact are reused."""
+    ``cache/namespace/<manifest hash>``; files already there and intact are reused. ``allowed`` says which
+    names the bundle kind holds: a manifest naming any other file is refused before anything is fetched.
+    ``fetch(name, size)`` gets the size the manifest declares, to stop reading past it."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
     folder = (cache / namespace / digest).resolve()
-    for name, sha256, size in _entries(manifest):
+    entries = _entries(manifest)
+    for name, _, _ in entries:
+        if not allowed(name):
+            raise ServerError(f"the bundle manifest names {name!r}, not a file this kind of bundle holds; "
+                              "refusing the bundle")
+    for name, sha256, size in entries:
         target = (folder / name).resolve()
         if not target.is_relative_to(folder):
             raise ServerError(f"bundle file {name!r} resolves outside the cache folder; refusing it")
         if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
             continue
-        content = fetch(name)
+        content = fetch(name, size)
         if len(content) != size or hashlib.sha256(content).hexdigest() != sha256:
             raise ServerError(f"bundle file {name} does not match its size and sha256; refusing it")
         target.parent.mkdir(parents=True, exist_ok=True)

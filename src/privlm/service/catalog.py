@@ -24,7 +24,7 @@ class ModelEntry(BaseModel):
     created: int = 0
     owned_by: str = "privlm"
     dim: int | None = None  # the embedding width, for embedding models
-    fingerprint: str | None = None  # sha256 of the weights that answer
+    weights_fingerprint: str | None = None  # sha256 of the weights that answer
 
 
 class ModelList(BaseModel):
@@ -32,9 +32,10 @@ class ModelList(BaseModel):
     data: list[ModelEntry]
 
 
-def model_not_found(name: str) -> ServiceError:
-    return ServiceError(404, f"The model `{name[:100]}` does not exist or you do not have access to it.",
-                        param="model", code="model_not_found")
+def model_not_found() -> ServiceError:
+    # OpenAI quotes the name; privlm never echoes what a caller sent (it may be text, or not valid Unicode).
+    return ServiceError(404, "The model named in the request does not exist or you do not have access to it; "
+                             "GET /v1/models lists the models offered.", param="model", code="model_not_found")
 
 
 def check_model(name: str, offered: Sequence[ModelEntry]) -> ModelEntry:
@@ -42,7 +43,7 @@ def check_model(name: str, offered: Sequence[ModelEntry]) -> ModelEntry:
     for entry in offered:
         if entry.id == name:
             return entry
-    raise model_not_found(name)
+    raise model_not_found()
 
 
 def catalog_router(offered: Sequence[ModelEntry]) -> APIRouter:

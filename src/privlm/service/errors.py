@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "insufficient_quota",
-                    "upstream_error", "server_error"]
+                    "rate_limit_error", "upstream_error", "server_error"]
 
 
 class ErrorDetail(BaseModel):
@@ -33,12 +33,18 @@ class ServiceError(Exception):
 
     def __init__(self, status: int, message: str, *, type: ErrorType = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message, param = _encodable(message), None if param is None else _encodable(param)
         super().__init__(message)
         self.status, self.headers = status, headers
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorBody(error=self.detail).model_dump(), status_code=self.status, headers=self.headers)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot carry (lone surrogates) replaced, so that an error always renders."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def error_response(status: int, message: str, *, type: ErrorType = "invalid_request_error", param: str | None = None,
@@ -52,4 +58,5 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (400, "Invalid request"), (401, "Missing or invalid API key"), (404, "Not found"),
         (408, "Request body too slow"), (413, "Request too large"), (415, "Unsupported content type"),
         (422, "Malformed payload"),
-        (429, "Privacy budget exhausted"), (502, "Upstream failed"), (503, "Busy: retry after a second"))}
+        (429, "Privacy budget exhausted, or too many requests in flight for one caller"),
+        (502, "Upstream failed"), (503, "Busy: retry after a second"))}

@@ -64,8 +64,8 @@ class HostCheckMiddleware:
         if len(hosts) == 1 and self.accepts(hosts[0]):
             await self.app(scope, receive, send)
             return
-        shown = hosts[0][:100] if len(hosts) == 1 else f"{len(hosts)} Host headers"
-        refusal = error_response(400, f"this service does not answer for Host {shown!r}: a service without API keys "
+        what = "this Host" if len(hosts) == 1 else f"{len(hosts)} Host headers"  # never quote the caller's input
+        refusal = error_response(400, f"this service does not answer for {what}: a service without API keys "
                                       "answers loopback names only (localhost, 127.0.0.1, [::1]); configure "
                                       "allowed hosts to serve others", param="host", code="invalid_host",
                                  headers={"connection": "close"})  # a body, if any, is not read

@@ -15,8 +15,12 @@ Two more bounds keep slow or many clients from holding the service:
   - ``max_in_flight`` (32 by default): at most that many requests with a body are read or processed at
     once; one more is answered 503 (``server_busy``, ``retry-after: 1``, which privlm's
     :class:`~privlm.service.RetryPolicy` and OpenAI's SDKs retry) before any of its body is read. Memory
-    for bodies is thus bounded by ``max_in_flight * max_request_bytes``. A request leaves the count
-    however it ends: answered, refused, failed, cancelled, or abandoned by its client.
+    for bodies is thus bounded by about ``max_in_flight * max_request_bytes``. A request leaves the count
+    however it ends: answered, refused, failed, cancelled, or abandoned by its client;
+  - ``max_in_flight_per_caller`` (a quarter of ``max_in_flight`` by default): on a service with keys, one
+    API key may hold at most that many of those places, so that no caller fills them all; one more is
+    answered 429 (``rate_limit_exceeded``, ``retry-after: 1``). A service without keys cannot tell its
+    callers apart (on localhost they share one address), so there only ``max_in_flight`` applies.
 
 A client that goes away mid-upload is one ``info`` line on the ``privlm.service`` logger, never a
 traceback.
@@ -26,11 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from privlm.service.auth import BearerKeys
+from privlm.accounting import principal_of_key
+from privlm.service.auth import BearerKeys, bearer_key
 from privlm.service.errors import error_response
 
 BODY_TIMEOUT = 30.0  # seconds for a whole request body
@@ -41,14 +47,21 @@ log = logging.getLogger("privlm.service")
 
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, *, max_bytes: int, auth: BearerKeys, body_timeout: float = BODY_TIMEOUT,
-                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None) -> None:
         if not body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
         self.app, self.max_bytes, self.auth = app, max_bytes, auth
         self.body_timeout, self.max_in_flight = float(body_timeout), max_in_flight
+        if max_in_flight_per_caller is None:
+            max_in_flight_per_caller = max(1, max_in_flight // 4)
+        if isinstance(max_in_flight_per_caller, bool) or not isinstance(max_in_flight_per_caller, int) \
+                or max_in_flight_per_caller < 1:
+            raise ValueError(f"max_in_flight_per_caller must be an integer >= 1, got {max_in_flight_per_caller!r}")
+        self.max_in_flight_per_caller = max_in_flight_per_caller
         self.in_flight = 0  # requests with a body being read or processed now (one event loop: no lock)
+        self.in_flight_by_caller: Counter[str] = Counter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -74,11 +87,22 @@ class BodyLimitMiddleware:
         if self.in_flight >= self.max_in_flight:
             await self._busy(scope, receive, send)
             return
+        key = None if self.auth.open else bearer_key(authorization[0] if authorization else None)
+        caller = principal_of_key(key) if key is not None else None  # the key was accepted above
+        if caller is not None and self.in_flight_by_caller[caller] >= self.max_in_flight_per_caller:
+            await self._too_many(scope, receive, send)
+            return
         self.in_flight += 1
+        if caller is not None:
+            self.in_flight_by_caller[caller] += 1
         try:
             await self._read_and_run(scope, receive, send)
         finally:
             self.in_flight -= 1
+            if caller is not None:
+                self.in_flight_by_caller[caller] -= 1
+                if not self.in_flight_by_caller[caller]:
+                    del self.in_flight_by_caller[caller]
 
     async def _read_and_run(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks, size = [], 0
@@ -126,6 +150,13 @@ class BodyLimitMiddleware:
         response = error_response(503, f"the service is reading or processing max_in_flight={self.max_in_flight} "
                                        "requests; retry shortly", type="server_error", param="max_in_flight",
                                   code="server_busy", headers={"retry-after": "1", "connection": "close"})
+        await response(scope, receive, send)
+
+    async def _too_many(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(429, "this caller has max_in_flight_per_caller="
+                                       f"{self.max_in_flight_per_caller} requests in flight; retry after an answer",
+                                  type="rate_limit_error", param="max_in_flight_per_caller",
+                                  code="rate_limit_exceeded", headers={"retry-after": "1", "connection": "close"})
         await response(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:

@@ -37,6 +37,9 @@ from privlm._validation import check_non_negative_finite, check_positive_finite
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # The request never left: resending it cannot repeat anything.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# It may have arrived: resent only when idempotent. Other transport errors (an unsupported scheme, a request
+# httpx itself refuses to send) will not go away by waiting, and are not retried.
+_MAY_HAVE_ARRIVED = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 class ServerError(RuntimeError):
@@ -109,7 +112,7 @@ class RetryPolicy:
         def worth_another(error: BaseException) -> bool:
             if isinstance(error, (_BusyError, *_NOT_SENT)):
                 return True
-            return idempotent and isinstance(error, httpx.TransportError)
+            return idempotent and isinstance(error, _MAY_HAVE_ARRIVED)
 
         return {"stop": stop, "wait": exponential_wait(multiplier=self.backoff, max=self.max_backoff),
                 "retry": retry_if_exception(worth_another), "after": self._count}
@@ -131,8 +134,8 @@ class RetryPolicy:
             return Retrying(**self._settings(idempotent))(lambda: final_response(send()))
         except RetryError as error:
             raise self._exhausted(error) from None
-        except httpx.TransportError as error:  # not retried (not idempotent), or not worth it
-            raise ServerError(f"the request failed and was not resent (not idempotent): {error}") from error
+        except httpx.TransportError as error:  # not retried: not idempotent, or not worth it
+            raise ServerError(f"the request failed and was not resent: {error}") from error
 
     async def acall(self, send: Callable[[], Awaitable[httpx.Response]], *, idempotent: bool = True
                     ) -> httpx.Response:
@@ -144,4 +147,4 @@ class RetryPolicy:
         except RetryError as error:
             raise self._exhausted(error) from None
         except httpx.TransportError as error:
-            raise ServerError(f"the request failed and was not resent (not idempotent): {error}") from error
+            raise ServerError(f"the request failed and was not resent: {error}") from error

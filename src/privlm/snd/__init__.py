@@ -4,7 +4,14 @@ from privlm.service import ServerError
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, save_denoiser
 from privlm.snd.card import DenoiserCard, read_card, write_card
 from privlm.snd.denoiser import Denoiser, DenoiserConfig
-from privlm.snd.encoder import Encoded, EncodeReport, IncompleteEncodingError, PlainEncoder, SnDEncoder
+from privlm.snd.encoder import (
+    Encoded,
+    EncodeReport,
+    IncompleteEncodingError,
+    ModelChangedError,
+    PlainEncoder,
+    SnDEncoder,
+)
 from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
 from privlm.snd.service.client import AsyncClient, Client
 
@@ -17,6 +24,7 @@ __all__ = [
     "EncodeReport",
     "Encoded",
     "IncompleteEncodingError",
+    "ModelChangedError",
     "PlainEncoder",
     "PrivateBatch",
     "ServerError",

@@ -25,7 +25,7 @@ from privlm.mechanisms import NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
 from privlm.models.batching import length_sorted_batches
 from privlm.models.client import TRUNCATION_POLICIES
-from privlm.service import ServerError
+from privlm.service import RequestRefusedError, ServerError
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
 from privlm.snd.card import DenoiserCard
 from privlm.snd.denoiser import Denoiser
@@ -55,17 +55,27 @@ class Encoded:
     report: EncodeReport
 
 
-class IncompleteEncodingError(ServerError):
-    """The server failed part-way through a call. Nothing finished is lost: ``encoded.vectors`` holds the
-    rows of the texts in ``done`` (NaN elsewhere); encode the texts at ``missing`` again to finish, which
-    is a new release (the failed batches may have reached the server)."""
+class ModelChangedError(ServerError):
+    """An answer came from other weights than the bundle's: the server now runs another model."""
 
-    def __init__(self, encoded: Encoded, done: Sequence[int], cause: BaseException) -> None:
-        self.encoded, self.done = encoded, sorted(done)
+
+class IncompleteEncodingError(ServerError):
+    """The server failed or refused part-way through a call. Nothing finished is lost: ``encoded.vectors``
+    holds the rows of the texts in ``done`` (NaN elsewhere), computed by the weights ``weights_fingerprint``
+    (None in-process). Encode the texts at ``missing`` again to finish, which is a new release (the failed
+    batches may have reached the server) — unless the cause is a :class:`ModelChangedError`: rows of two
+    models must not be combined, so then encode every text again with a new client."""
+
+    def __init__(self, encoded: Encoded, done: Sequence[int], cause: BaseException, *,
+                 weights_fingerprint: str | None = None) -> None:
+        self.encoded, self.done, self.weights_fingerprint = encoded, sorted(done), weights_fingerprint
         finished = set(self.done)
         self.missing = [i for i in range(len(encoded.vectors)) if i not in finished]
+        advice = ("the server's model changed: encode every text again with a new client (rows of two models must "
+                  "not be combined)" if isinstance(cause, ModelChangedError) else
+                  "error.encoded holds them, error.missing lists the texts still to encode")
         super().__init__(f"{len(self.done)} of {len(encoded.vectors)} texts were encoded before the server failed "
-                         f"({cause}); error.encoded holds them, error.missing lists the texts still to encode")
+                         f"({cause}); {advice}")
 
 
 @dataclass
@@ -92,6 +102,8 @@ class SnDEncoder:
     call a fresh OS-seeded generator.
     ``ledger``: every call's release (eta per token row) is spent there first, for the call's principal.
     """
+
+    weights_fingerprint: str | None = None  # of the remote weights whose answers it accepts (in-process: none)
 
     def __init__(self, model: str | Path | TokenEmbedder = "minilm", *, eta: float,
                  denoiser: str | Path | None = "default", clip: bool | None = None, sampler: NoiseSampler = "gamma",
@@ -171,8 +183,9 @@ class SnDEncoder:
         for indices in call.batches:
             try:
                 out[indices] = self.encode_batch(call, indices)
-            except ServerError as error:
-                raise IncompleteEncodingError(Encoded(out, call.report), done, error) from error
+            except (ServerError, RequestRefusedError) as error:
+                raise IncompleteEncodingError(Encoded(out, call.report), done, error,
+                                              weights_fingerprint=self.weights_fingerprint) from error
             done.extend(indices)
         return Encoded(out, call.report)
 

@@ -1,9 +1,13 @@
 """Tensor payloads on the wire and their limits: safetensors or checked raw arrays, never pickle."""
 
 from privlm.wire.tensors import (
+    DTYPE_HEADER,
+    LENGTHS_HEADER,
     MODEL_FINGERPRINT_HEADER,
     RAW,
     SAFETENSORS,
+    SEQUENCE_HEADER_PATTERNS,
+    SHAPE_HEADER,
     WIRE_DTYPES,
     Limits,
     SequenceBatch,
@@ -17,9 +21,13 @@ from privlm.wire.tensors import (
 )
 
 __all__ = [
+    "DTYPE_HEADER",
+    "LENGTHS_HEADER",
     "MODEL_FINGERPRINT_HEADER",
     "RAW",
     "SAFETENSORS",
+    "SEQUENCE_HEADER_PATTERNS",
+    "SHAPE_HEADER",
     "WIRE_DTYPES",
     "Limits",
     "SequenceBatch",

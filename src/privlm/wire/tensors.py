@@ -1,13 +1,17 @@
-"""Tensors on the wire: safetensors bytes, or raw little-endian arrays with a declared dtype and shape.
+"""Tensors on the wire: safetensors bytes, or raw little-endian arrays, both with a declared dtype and shape.
 
 Two payloads: a batch of token sequences (B, n, d) with its attention mask (what a client sends), and
-a batch of rows (B, d) (what a server answers). Nothing is ever unpickled. Every tensor read is checked
-for dtype, rank, shape limits and finiteness before it reaches a model; a violation is a ``WireError``
-naming the limit, which the services turn into a 4xx JSON answer.
+a batch of rows (B, d) (what a server answers). Nothing is ever unpickled. A sequence batch travels with
+three headers in both formats: X-Privlm-Dtype, X-Privlm-Shape 'B,n,d' and X-Privlm-Lengths 'l1,...,lB'.
+They are checked against the limits before the body is parsed, and a safetensors body must hold exactly
+what they declare. Every tensor read is checked for dtype, rank, shape limits and finiteness before it
+reaches a model; a violation is a ``WireError`` naming the limit, which the services turn into a 4xx JSON
+answer.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -27,6 +31,15 @@ WIRE_DTYPES: tuple[WireDType, ...] = ("float32", "float16")
 MODEL_FINGERPRINT_HEADER = "x-privlm-model-fingerprint"
 FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+# The headers that declare a sequence batch (both formats), with the patterns their values must match in
+# full; the OpenAPI schema of the encode route uses the same patterns.
+DTYPE_HEADER, SHAPE_HEADER, LENGTHS_HEADER = "X-Privlm-Dtype", "X-Privlm-Shape", "X-Privlm-Lengths"
+_POSITIVE = "[1-9][0-9]*"
+SEQUENCE_HEADER_PATTERNS: dict[str, str] = {
+    DTYPE_HEADER: "^(float32|float16)$",
+    SHAPE_HEADER: f"^{_POSITIVE},{_POSITIVE},{_POSITIVE}$",
+    LENGTHS_HEADER: f"^{_POSITIVE}(,{_POSITIVE})*$",
+}
 
 
 class WireError(ValueError):
@@ -97,8 +110,42 @@ def _wire_dtype(name: object, field: str) -> WireDType:
     raise WireError(f"{field} must be float32 or float16, got {name!r}", limit="dtype")
 
 
-def _read_safetensors_sequences(body: bytes, limits: Limits) -> SequenceBatch:
-    """Body: safetensors with ``embeddings`` (B, n, d) float32/float16 and ``attention_mask`` (B, n) u8/bool/i64."""
+@dataclass(frozen=True)
+class _Declared:
+    """What a request's X-Privlm-* headers declare, already checked against the limits."""
+
+    dtype: WireDType
+    shape: tuple[int, int, int]
+    lengths: list[int]
+    mask: torch.Tensor  # (B, n) int64, from the lengths
+
+
+def _header_value(headers: Mapping[str, str], name: str, what: str, limit: str) -> str:
+    value = headers.get(name.lower())
+    if value is None:
+        raise WireError(f"the {name} header is required with both body formats: {what}", limit=limit)
+    if re.fullmatch(SEQUENCE_HEADER_PATTERNS[name].strip("^$"), value) is None:
+        raise WireError(f"{name} must be {what}, got {value!r}", limit=limit)
+    return value
+
+
+def _read_declaration(headers: Mapping[str, str], limits: Limits) -> _Declared:
+    """The three headers, well formed and within ``limits``, before any byte of the body is parsed."""
+    dtype = _wire_dtype(_header_value(headers, DTYPE_HEADER, "float32 or float16", "dtype"), DTYPE_HEADER)
+    shape = _header_value(headers, SHAPE_HEADER, "'B,n,d': three comma-separated positive integers", "shape")
+    lengths = _header_value(headers, LENGTHS_HEADER, "'l1,...,lB': comma-separated positive integers", "lengths")
+    batch, tokens, dim = (int(x) for x in shape.split(","))
+    _check_shape(batch, tokens, dim, limits)
+    row_lengths = [int(x) for x in lengths.split(",")]
+    if len(row_lengths) != batch:
+        raise WireError(f"{LENGTHS_HEADER} has {len(row_lengths)} entries for a batch of {batch}", limit="lengths")
+    return _Declared(dtype=dtype, shape=(batch, tokens, dim), lengths=row_lengths,
+                     mask=_mask_from_lengths(row_lengths, tokens))
+
+
+def _read_safetensors_sequences(body: bytes, declared: _Declared) -> SequenceBatch:
+    """Body: safetensors with ``embeddings`` (B, n, d) float32/float16 and ``attention_mask`` (B, n) u8/bool/i64,
+    exactly as the headers declare them."""
     try:
         tensors = load_safetensors(body)
     except (SafetensorError, ValueError, RuntimeError) as error:
@@ -113,50 +160,45 @@ def _read_safetensors_sequences(body: bytes, limits: Limits) -> SequenceBatch:
                         f"and {tuple(mask.shape)}", limit="shape")
     if mask.dtype not in (torch.uint8, torch.bool, torch.int64, torch.int32):
         raise WireError(f"attention_mask must be an integer or bool tensor, got {mask.dtype}", limit="dtype")
-    batch, tokens, dim = embeddings.shape
-    _check_shape(batch, tokens, dim, limits)
+    if dtype != declared.dtype:
+        raise WireError(f"embeddings are {dtype} but {DTYPE_HEADER} declares {declared.dtype}", limit="dtype")
+    if tuple(embeddings.shape) != declared.shape:  # so the limits checked on the declaration hold for the body
+        raise WireError(f"embeddings have shape {tuple(embeddings.shape)} but {SHAPE_HEADER} declares "
+                        f"{declared.shape}", limit="shape")
     mask = mask.long()
     _check_values(embeddings, mask)
+    if not torch.equal(mask, declared.mask):
+        raise WireError(f"attention_mask holds lengths {mask.sum(dim=1).tolist()} but {LENGTHS_HEADER} declares "
+                        f"{declared.lengths}", limit="lengths")
     return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype, format=SAFETENSORS)
 
 
-def _read_raw_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> SequenceBatch:
-    """Body: raw little-endian (B, n, d) array; headers give dtype, shape "B,n,d" and lengths "l1,...,lB"."""
-    dtype = _wire_dtype(headers.get("x-privlm-dtype"), "X-Privlm-Dtype")
-    shape, lengths = headers.get("x-privlm-shape"), headers.get("x-privlm-lengths")
-    try:
-        dims = [int(x) for x in (shape or "").split(",")]
-        row_lengths = [int(x) for x in (lengths or "").split(",")]
-    except ValueError as error:
-        raise WireError("X-Privlm-Shape and X-Privlm-Lengths must be comma-separated integers",
-                        limit="shape") from error
-    if len(dims) != 3:
-        raise WireError(f"X-Privlm-Shape must be 'B,n,d', got {shape!r}", limit="shape")
-    _check_shape(dims[0], dims[1], dims[2], limits)
-    if len(row_lengths) != dims[0]:
-        raise WireError(f"X-Privlm-Lengths has {len(row_lengths)} entries for a batch of {dims[0]}", limit="lengths")
+def _read_raw_sequences(body: bytes, declared: _Declared) -> SequenceBatch:
+    """Body: raw little-endian (B, n, d) array of the declared dtype and shape; the lengths give the mask."""
+    dtype, dims = declared.dtype, declared.shape
     expected = dims[0] * dims[1] * dims[2] * NUMPY_DTYPES[dtype].itemsize
     if len(body) != expected:
-        raise WireError(f"body has {len(body)} bytes; shape {dims} of {dtype} needs {expected}", limit="shape")
+        raise WireError(f"body has {len(body)} bytes; shape {list(dims)} of {dtype} needs {expected}", limit="shape")
     array = np.frombuffer(body, dtype=NUMPY_DTYPES[dtype]).reshape(dims)
     embeddings = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
-    mask = _mask_from_lengths(row_lengths, dims[1])
-    _check_values(embeddings, mask)
-    return SequenceBatch(embeddings=embeddings, attention_mask=mask, dtype=dtype, format=RAW)
+    _check_values(embeddings, declared.mask)
+    return SequenceBatch(embeddings=embeddings, attention_mask=declared.mask, dtype=dtype, format=RAW)
 
 
 def read_sequences(body: bytes, headers: Mapping[str, str], limits: Limits) -> SequenceBatch:
-    """A request's sequence batch, as safetensors or raw (by its content type), checked against ``limits``."""
+    """A request's sequence batch, as safetensors or raw (by its content type), with the X-Privlm-* headers
+    that declare it (both formats), checked against ``limits``: the declaration before the body is parsed."""
     if len(body) > limits.max_request_bytes:
         raise WireError(f"request of {len(body)} bytes exceeds max_request_bytes={limits.max_request_bytes}",
                         status=413, limit="max_request_bytes")
     content_type = headers.get("content-type", "").split(";")[0].strip()
+    if content_type not in (SAFETENSORS, RAW):
+        raise WireError(f"content-type must be {SAFETENSORS} or {RAW}, got {content_type!r}", status=415,
+                        limit="content-type")
+    declared = _read_declaration(headers, limits)
     if content_type == SAFETENSORS:
-        return _read_safetensors_sequences(body, limits)
-    if content_type == RAW:
-        return _read_raw_sequences(body, headers, limits)
-    raise WireError(f"content-type must be {SAFETENSORS} or {RAW}, got {content_type!r}", status=415,
-                    limit="content-type")
+        return _read_safetensors_sequences(body, declared)
+    return _read_raw_sequences(body, declared)
 
 
 def write_sequences(embeddings: torch.Tensor, attention_mask: torch.Tensor, *, dtype: WireDType = "float32",
@@ -164,13 +206,12 @@ def write_sequences(embeddings: torch.Tensor, attention_mask: torch.Tensor, *, d
     """Client side: zero the padding rows (they carry nothing) and serialise with the headers to send."""
     keep = attention_mask.unsqueeze(-1).to(embeddings.dtype)
     values = (embeddings * keep).detach().to("cpu", FLOAT_DTYPES[dtype]).contiguous()
+    declared = {"x-privlm-dtype": dtype, "x-privlm-shape": ",".join(str(s) for s in values.shape),
+                "x-privlm-lengths": ",".join(str(int(n)) for n in attention_mask.sum(dim=1).tolist())}
     if fmt == SAFETENSORS:
         body = save_safetensors({"embeddings": values, "attention_mask": attention_mask.detach().cpu().to(torch.uint8)})
-        return body, {"content-type": SAFETENSORS}
-    lengths = attention_mask.sum(dim=1).tolist()
-    return values.numpy().astype(NUMPY_DTYPES[dtype], copy=False).tobytes(), {
-        "content-type": RAW, "x-privlm-dtype": dtype, "x-privlm-shape": ",".join(str(s) for s in values.shape),
-        "x-privlm-lengths": ",".join(str(int(n)) for n in lengths)}
+        return body, {"content-type": SAFETENSORS} | declared
+    return values.numpy().astype(NUMPY_DTYPES[dtype], copy=False).tobytes(), {"content-type": RAW} | declared
 
 
 def write_rows(rows: torch.Tensor, *, dtype: WireDType, fmt: WireFormat) -> tuple[bytes, dict[str, str]]:

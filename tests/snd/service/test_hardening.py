@@ -4,6 +4,9 @@ outages. Each test reproduces one finding against real servers on localhost and 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,14 +18,14 @@ import numpy as np
 import openai
 import pytest
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from privlm.models import SplitModel
-from privlm.service import FairScheduler, RequestRefusedError, RetryPolicy, ServerError
-from privlm.snd import Client, IncompleteEncodingError
-from privlm.snd.service.bundle import BUNDLE_PATH, snd_bundle
-from privlm.snd.service.client import ModelChangedError
+from privlm.service import BearerKeys, FairScheduler, RequestRefusedError, RetryPolicy, ServerError, create_service_app
+from privlm.service.bundle import MANIFEST_LIMIT
+from privlm.snd import Client, Encoded, EncodeReport, IncompleteEncodingError, ModelChangedError
+from privlm.snd.service.bundle import BUNDLE_PATH, is_snd_bundle_file, snd_bundle
 from privlm.snd.service.gateway import MAX_REQUEST_TOKENS, create_gateway
 from privlm.snd.service.server import create_app
 from privlm.wire import MODEL_FINGERPRINT_HEADER, read_rows, write_rows, write_sequences
@@ -108,6 +111,74 @@ def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny, tmp_path):
         manifest["denoisers"] = [{"name": "d", "variant": "snd", "eta_range": "all of them"}]
     with serving(hostile_bundle_app(tiny, {}, extra=odd_range)) as url, pytest.raises(ServerError, match="eta_range"):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
+
+
+def test_finding_1_the_snd_bundle_holds_only_the_files_clients_accept(tiny):
+    assert all(is_snd_bundle_file(name) for name in snd_bundle(tiny, []).files)
+    assert all(is_snd_bundle_file(name) for name in ["denoisers/d/denoiser.safetensors", "denoisers/d/denoiser.json"])
+    assert not any(is_snd_bundle_file(name) for name in ["startup/run.py", "a/b/c/d", "evil.pth", "tokenizer",
+                                                         "tokenizer/sub/x.json", "denoisers/d/run.py",
+                                                         "denoisers/denoiser.json", "tokenizer/../x", "../model.json"])
+
+
+class Counting:
+    """An ASGI wrapper that records the path of every request, and can stream an endless body for one path,
+    counting the bytes it hands to the server (paced, so socket buffers hold little of it). "Endless" stops
+    at ``STOP`` bytes, so that a client that reads it all fails the test instead of hanging it."""
+
+    CHUNK, STOP = 64 << 10, 64 << 20
+
+    def __init__(self, app, endless: str | None = None, head: bytes = b"") -> None:
+        self.app, self.endless, self.head = app, endless, head
+        self.paths: list[str] = []
+        self.served = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+            if scope["path"] == self.endless:
+                await StreamingResponse(self.body(), media_type="application/json")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def body(self):
+        self.served += len(self.head)
+        yield self.head
+        while self.served < self.STOP:
+            self.served += self.CHUNK
+            yield b" " * self.CHUNK
+            await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("name", ["startup/run.py", "a/b/c/d", "evil.pth", "tokenizer/sub/x.json",
+                                  "denoisers/d/run.py"])
+def test_finding_1_a_well_formed_but_unexpected_file_is_refused_before_anything_is_written(tiny, tmp_path, name):
+    def plant(manifest: dict) -> None:
+        manifest["files"].append({"name": name, "sha256": "0" * 64, "size": 9})
+    server = Counting(hostile_bundle_app(tiny, {}, extra=plant))
+    with serving(server) as url, pytest.raises(ServerError, match="not a file this kind of bundle holds"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+    assert server.paths == [BUNDLE_PATH]  # the manifest only: no file was fetched
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_finding_1_an_endless_bundle_file_is_cut_at_its_declared_size(tiny, tmp_path):
+    declared = len(snd_bundle(tiny, []).files["embeddings.safetensors"].content)
+    server = Counting(hostile_bundle_app(tiny, {}), endless=f"{BUNDLE_PATH}/files/embeddings.safetensors")
+    started = time.monotonic()
+    with serving(server) as url, pytest.raises(ServerError, match=f"limit of {declared} bytes"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+    assert time.monotonic() - started < 20
+    assert server.served <= declared + 4 * Counting.CHUNK  # what it read, one chunk, and a little in flight
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("embeddings.safetensors"))
+
+
+def test_finding_1_an_endless_manifest_is_refused_at_its_cap(tiny, tmp_path):
+    server = Counting(hostile_bundle_app(tiny, {}), endless=BUNDLE_PATH, head=b'{"files": [')
+    with serving(server) as url, pytest.raises(ServerError, match=f"limit of {MANIFEST_LIMIT} bytes"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+    assert server.served <= MANIFEST_LIMIT + 4 * Counting.CHUNK
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
 # --- finding 2: the manifest's URLs sent the API key to any origin -----------------------------------------
@@ -239,7 +310,7 @@ def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny, tmp_path
         with serving(create_gateway(client)) as gateway:
             answer = httpx.post(f"{gateway}/v1/embeddings", json={"model": MODEL, "input": ["the cat sat"]})
         client.close()
-    assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error"
+    assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error", answer.text
 
 
 def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny, tmp_path):
@@ -251,7 +322,7 @@ def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny, tmp_path):
                                 headers={"content-type": "application/json"})
         client.close()
     assert answer.status_code == 400
-    assert answer.json()["error"]["param"] == "input" and "texts[1]" in answer.json()["error"]["message"]
+    assert answer.json()["error"]["param"] == "input" and "input.1" in answer.json()["error"]["message"]
 
 
 def test_finding_6_huge_finite_inputs_get_a_4xx_never_nan(tiny):
@@ -272,7 +343,8 @@ def test_finding_7_a_request_over_the_token_cap_is_refused(tiny, tmp_path):
             with pytest.raises(openai.BadRequestError) as refused:
                 sdk.embeddings.create(model=MODEL, input=["the cat sat"] * 9)  # 45 tokens
         client.close()
-    assert refused.value.body["code"] == "max_tokens_per_request" and "45 tokens" in refused.value.body["message"]
+    assert refused.value.body["code"] == "max_tokens_per_request"
+    assert "(45 in its first 9 inputs)" in refused.value.body["message"]
 
 
 def test_finding_7_turns_go_round_robin_between_callers():
@@ -308,45 +380,154 @@ def test_finding_7_a_cancelled_wait_gives_its_turn_back():
     asyncio.run(scenario())
 
 
-class SlowEncodes:
-    """ASGI wrapper: every encode takes ``delay`` s upstream (a slow server half)."""
+class SerialEncodes:
+    """ASGI wrapper: a saturated server half. Encodes run one at a time, first come first served, and each
+    takes ``delay`` s, so a request's wait is the number of encodes queued ahead of it."""
 
     def __init__(self, app, delay: float) -> None:
-        self.app, self.delay = app, delay
+        self.app, self.delay, self.lock = app, delay, None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/snd/encode":
-            await asyncio.sleep(self.delay)
+            self.lock = self.lock or asyncio.Lock()
+            async with self.lock:
+                await asyncio.sleep(self.delay)
+                await self.app(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
-def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny, tmp_path):
-    """One caller's 60-batch request (about 9 s upstream) runs; another caller's one-text request, sent
-    during it, is answered within a few batch times, with one turn at a time."""
-    delay = 0.15
-    with serving(SlowEncodes(create_app(tiny, denoiser_dirs=[]), delay)) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=1)
-        with serving(create_gateway(client, api_keys=["alice", "bob"], max_concurrent_batches=1)) as gateway:
-            def post(key: str, texts: list[str]) -> tuple[int, float]:
-                started = time.perf_counter()
-                status = httpx.post(f"{gateway}/v1/embeddings", json={"model": MODEL, "input": texts},
-                                    headers={"authorization": f"Bearer {key}"}, timeout=120).status_code
-                return status, time.perf_counter() - started
+def timed_post(url: str, key: str, texts: list[str]) -> tuple[int, float]:
+    started = time.perf_counter()
+    status = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": texts},
+                        headers={"authorization": f"Bearer {key}"}, timeout=120).status_code
+    return status, time.perf_counter() - started
 
-            with ThreadPoolExecutor(2) as pool:
-                big = pool.submit(post, "alice", ["the cat sat on the mat"] * 60)
-                time.sleep(1.0)
-                small_status, small_latency = post("bob", ["a dog"])
-                big_status, big_latency = big.result()
+
+def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny, tmp_path):
+    """Alice keeps 8 requests of 4 batches in flight against a saturated server (0.25 s per encode, one at a
+    time: 8 s of work). Bob's one-text request, sent meanwhile, waits for the batch in progress and his own
+    turn, not for the queue: bound 1.25 s (5 encodes). Without fair turns every one of alice's requests has a
+    batch queued at the server ahead of bob's: 8 encodes, at least 2 s."""
+    delay = 0.25
+    with serving(SerialEncodes(create_app(tiny, denoiser_dirs=[]), delay)) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=1)
+        with (serving(create_gateway(client, api_keys=["alice", "bob"], max_concurrent_batches=1)) as gateway,
+              ThreadPoolExecutor(8) as pool):
+            big = [pool.submit(timed_post, gateway, "alice", ["the cat sat on the mat"] * 4) for _ in range(8)]
+            time.sleep(1.5)
+            small_status, small_latency = timed_post(gateway, "bob", ["a dog"])
+            big_results = [future.result() for future in big]
+        client.close()
+    assert small_status == 200 and {status for status, _ in big_results} == {200}
+    assert max(latency for _, latency in big_results) > 32 * delay  # alice's work really was queued
+    assert small_latency < 5 * delay
+
+
+class SlowTokenizer:
+    """Delegates to a tokenizer, taking ``per_text`` s for each text it tokenizes (a slow, long request)."""
+
+    def __init__(self, inner, per_text: float) -> None:
+        self.inner, self.per_text = inner, per_text
+
+    def __call__(self, texts, *args, **kwargs):
+        time.sleep(self.per_text * (len(texts) if isinstance(texts, list) else 1))
+        return self.inner(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_finding_7_tokenizing_a_big_request_does_not_hold_others(tiny, tmp_path):
+    """Tokenizing alice's 2,048 texts takes 4 s (2 ms a text, one tokenizer); bob's one text, sent meanwhile,
+    is tokenized between two of her 64-text turns, so he waits well under a second, not the 4 s."""
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        client.model.tokenizer = SlowTokenizer(client.model.tokenizer, per_text=0.002)
+        with serving(create_gateway(client, api_keys=["alice", "bob"])) as gateway, ThreadPoolExecutor(1) as pool:
+            big = pool.submit(timed_post, gateway, "alice", ["the cat sat on the mat"] * 2048)
+            time.sleep(1.0)
+            small_status, small_latency = timed_post(gateway, "bob", ["a dog"])
+            big_status, big_latency = big.result()
         client.close()
     assert small_status == big_status == 200
-    assert big_latency > 60 * delay  # the big one really was running
-    assert small_latency < 10 * delay  # bound: a few batch times, not the big request's remaining ~8 s
+    assert big_latency > 4.0
+    assert small_latency < 1.0
 
 
-# --- finding 8: long outages lost finished work --------------------------------------------------------------------
-def test_finding_8_the_default_retry_budget_outlasts_a_cold_start():
-    assert RetryPolicy().retry_for >= 30.0  # a cold `privlm serve` start took 9.1 s; the old budget was ~8 s
+def test_finding_7_one_caller_cannot_fill_every_place_in_flight():
+    """max_in_flight=8, a quarter per caller: alice holds 2 requests, her third is a 429 while bob is served."""
+    release = threading.Event()
+    router = APIRouter()
+
+    @router.post("/hold")
+    async def hold(request: Request) -> dict[str, int]:
+        await request.body()
+        await asyncio.to_thread(release.wait, 30)
+        return {"held": 1}
+
+    app = create_service_app(title="toy", routers=[router], auth=BearerKeys(["alice", "bob"]),
+                             max_request_bytes=1024, max_in_flight=8)
+    with serving(app) as url, ThreadPoolExecutor(3) as pool:
+        def post(key: str) -> httpx.Response:
+            return httpx.post(f"{url}/hold", content=b"x", headers={"authorization": f"Bearer {key}"}, timeout=30)
+
+        held = [pool.submit(post, "alice") for _ in range(2)]
+        time.sleep(1.0)
+        third = post("alice")
+        bob = pool.submit(post, "bob")
+        time.sleep(0.5)
+        release.set()
+        statuses = [future.result().status_code for future in [*held, bob]]
+    assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_exceeded"
+    assert third.headers["retry-after"] == "1"
+    assert statuses == [200, 200, 200]
+
+
+def test_finding_8_a_client_started_with_the_server_rides_out_its_cold_start(tmp_path):
+    """`privlm serve` (MiniLM) and a Client with default settings start together: the server takes about
+    9 s to answer, longer than the old retry budget (about 8 s); the client waits and encodes."""
+    from privlm.service.process import free_port, stop
+
+    port = free_port()
+    started = time.monotonic()
+    server = subprocess.Popen([sys.executable, "-m", "privlm.cli", "serve", "--port", str(port), "--device", "cpu"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = Client(f"http://127.0.0.1:{port}", eta=50.0, cache_dir=tmp_path, device="cpu")
+        waited = time.monotonic() - started
+        vectors = client.encode(["the cat sat on the mat"])
+        client.close()
+    finally:
+        stop(server)
+    assert vectors.shape == (1, 384) and np.isfinite(vectors).all()
+    assert client.retry.failed_attempts >= 1  # it really started before the server answered
+    assert Client.__init__.__kwdefaults__["retry_for"] > waited  # with room to spare over this cold start
+
+
+def test_finding_8_a_refusal_part_way_keeps_the_finished_batches(tiny, tmp_path):
+    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+    with serving(upstream) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2)
+        served = upstream.encodes
+
+        async def keys_rotated_after_two(scope, receive, send) -> None:
+            if upstream.encodes > served + 2:
+                await answering(401, {"error": {"message": "missing or invalid API key", "type": "x"}})(
+                    scope, receive, send)
+            else:
+                await upstream.app(scope, receive, send)
+        upstream.encode = keys_rotated_after_two
+        with pytest.raises(IncompleteEncodingError) as failed:
+            client.encode(TEXTS)
+        client.close()
+    assert isinstance(failed.value.__cause__, RequestRefusedError) and len(failed.value.done) == 4
+    assert failed.value.weights_fingerprint == tiny.weights_fingerprint
+
+
+def test_finding_8_a_model_change_says_to_start_again(tiny, tmp_path):
+    error = IncompleteEncodingError(Encoded(np.zeros((2, 3)), EncodeReport()), [0], ModelChangedError("changed"))
+    assert "encode every text again with a new client" in str(error)
 
 
 def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny, tmp_path):
@@ -451,12 +632,33 @@ def test_finding_9_404_and_405_come_in_openais_shape(gateway, method, path, stat
     {"model": MODEL, "input": ["my secret diagnosis"], "dimensions": "my secret diagnosis"},
     {"model": MODEL, "input": ["   ", "my secret diagnosis"]},
     {"model": MODEL, "input": [["my secret diagnosis"]]},
+    {"model": "my secret diagnosis", "input": "fine"},
 ])
 def test_finding_9_errors_never_echo_the_callers_text(gateway, payload):
     answer = httpx.post(f"{gateway[0]}/v1/embeddings", json=payload)
-    assert answer.status_code == 400
+    assert answer.status_code in (400, 404)
     assert "secret" not in answer.text and "diagnosis" not in answer.text
     assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_finding_9_no_other_answer_echoes_the_caller_either(gateway, tiny):
+    url, _ = gateway
+    answers = [httpx.get(f"{url}/v1/models/my%20secret%20diagnosis")]
+    with serving(create_app(tiny, denoiser_dirs=[])) as server:  # no keys: loopback Host names only
+        answers.append(httpx.get(f"{server}/health", headers={"host": "my-secret-diagnosis.example"}))
+        answers.append(httpx.get(f"{server}/v1/models/my%20secret%20diagnosis"))
+    assert [answer.status_code for answer in answers] == [404, 400, 404]
+    assert not any("secret" in answer.text for answer in answers)
+
+
+@pytest.mark.parametrize(("field", "status"), [("model", 404), ("encoding_format", 400), ("user", 200)])
+def test_finding_6_a_lone_surrogate_anywhere_is_never_a_500(gateway, field, status):
+    """In ``model`` (where the old 404 quoted it and crashed rendering) and anywhere else; ``user`` is unused."""
+    body = {"model": MODEL, "input": "fine"}
+    raw = json.dumps(body | {field: "@"}).replace('"@"', '"bad \\ud800"').encode()
+    answer = httpx.post(f"{gateway[0]}/v1/embeddings", content=raw, headers={"content-type": "application/json"})
+    assert answer.status_code == status, answer.text[:300]
+    assert status == 200 or set(answer.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_finding_9_an_upstream_401_is_a_502_not_the_callers_400(gateway):
@@ -554,3 +756,22 @@ def test_finding_11_real_answers_conform_to_the_gateway_openapi(gateway):
     finally:
         upstream.encode = None
     assert statuses == [200, 200, 400, 404, 502]
+
+
+def test_finding_11_a_body_without_its_headers_is_schema_invalid_and_refused(tiny):
+    from privlm.wire import RAW, SAFETENSORS
+
+    declaring = ("X-Privlm-Dtype", "X-Privlm-Shape", "X-Privlm-Lengths")
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        schema = httpx.get(f"{url}/openapi.json").json()
+        parameters = {p["name"]: p for p in schema["paths"]["/v1/snd/encode"]["post"]["parameters"]}
+        assert all(parameters[name]["in"] == "header" and parameters[name]["required"] for name in declaring)
+        embeddings, mask = torch.randn(2, 3, tiny.hidden_size), torch.tensor([[1, 1, 1], [1, 1, 0]])
+        answers = {}
+        for fmt in (SAFETENSORS, RAW):
+            body, headers = write_sequences(embeddings, mask, fmt=fmt)
+            assert {name.lower() for name in declaring} <= set(headers)  # the client sends them with both formats
+            answers[fmt] = httpx.post(f"{url}/v1/snd/encode", content=body, headers={"content-type": fmt})
+    for answer in answers.values():
+        assert answer.status_code == 422
+        assert "X-Privlm-Dtype header is required" in answer.json()["error"]["message"]

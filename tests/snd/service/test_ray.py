@@ -42,7 +42,7 @@ def _authorised() -> dict[str, str]:
 
 
 def test_replicas_serve_the_same_model(ray_server, tiny):
-    assert httpx.get(f"{ray_server}/health").json()["fingerprint"] == tiny.weights_fingerprint
+    assert httpx.get(f"{ray_server}/health").json()["weights_fingerprint"] == tiny.weights_fingerprint
     batch = tiny.tokenize(["the cat sat on the mat", "a dog"])
     embeddings = tiny.embed_tokens(batch.input_ids).detach()
     body, headers = write_sequences(embeddings, batch.attention_mask, dtype="float32", fmt=RAW)

@@ -64,14 +64,22 @@ def test_health_models_and_metrics(client, tiny):
     assert "privlm_requests_total" in metrics and "privlm_batch_rows" in metrics
 
 
+# Safetensors bodies with headers declaring (1, 2, 32) float32 of length 2: the cases are about the body
+# (the dim case declares what it sends, 31, and is refused on the declaration).
+DECLARED = {"content-type": SAFETENSORS, "x-privlm-dtype": "float32", "x-privlm-shape": "1,2,32",
+            "x-privlm-lengths": "2"}
+
+
 @pytest.mark.parametrize(("body", "headers", "status", "limit"), [
     (b"{}", {"content-type": "application/json"}, 415, "content-type"),
-    (b"\x00" * 40, {"content-type": SAFETENSORS}, 422, "format"),
+    (b"\x00" * 40, DECLARED, 422, "format"),
     (save({"embeddings": torch.ones(1, 2, 31), "attention_mask": torch.ones(1, 2, dtype=torch.uint8)}),
-     {"content-type": SAFETENSORS}, 422, "dim"),
+     DECLARED | {"x-privlm-shape": "1,2,31"}, 422, "dim"),
     (save({"embeddings": torch.full((1, 2, 32), float("nan")), "attention_mask": torch.ones(1, 2, dtype=torch.uint8)}),
-     {"content-type": SAFETENSORS}, 422, "finite"),
-    (save({"input_ids": torch.ones(1, 2, dtype=torch.long)}), {"content-type": SAFETENSORS}, 422, "format"),
+     DECLARED, 422, "finite"),
+    (save({"input_ids": torch.ones(1, 2, dtype=torch.long)}), DECLARED, 422, "format"),
+    (save({"embeddings": torch.ones(1, 2, 32), "attention_mask": torch.ones(1, 2, dtype=torch.uint8)}),
+     {"content-type": SAFETENSORS}, 422, "dtype"),  # no X-Privlm-* headers: the first one missing is named
 ])
 def test_malformed_requests_get_4xx_json(client, body, headers, status, limit):
     response = client.post("/v1/snd/encode", content=body, headers=headers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors.torch import load_file
@@ -31,23 +31,43 @@ def model_facts(model: SplitModel) -> dict[str, object]:
             "pooling": model.pooling, "clip_norm": model.max_embedding_norm, "config": public_config(model.config_dict)}
 
 
+def is_snd_bundle_file(name: str) -> bool:
+    """Whether an SnD bundle may hold ``name``: ``model.json``, ``embeddings.safetensors``,
+    ``tokenizer/<file>``, ``denoisers/<name>/denoiser.safetensors`` (``WEIGHTS_FILE``) and
+    ``denoisers/<name>/denoiser.json`` (``CARD_FILE``), each part a plain name
+    (:func:`privlm.service.check_file_name`). Server and client both use it."""
+    try:
+        parts = PurePosixPath(check_file_name(name)).parts
+    except ServerError:
+        return False
+    return (parts in (("model.json",), ("embeddings.safetensors",))
+            or (len(parts) == 2 and parts[0] == "tokenizer")
+            or (len(parts) == 3 and parts[0] == "denoisers" and parts[2] in (WEIGHTS_FILE, CARD_FILE)))
+
+
 def snd_bundle(model: SplitModel, denoiser_dirs: Sequence[Path]) -> Bundle:
-    """The bundle a server offers for ``model`` and the given denoiser folders."""
+    """The bundle a server offers for ``model`` and the given denoiser folders; every file name passes
+    :func:`is_snd_bundle_file`, the set a client accepts."""
     facts = model_facts(model)
     denoisers: list[dict[str, object]] = []
     bundle = Bundle(format=BUNDLE_FORMAT, facts={"model": facts, "denoisers": denoisers})
-    bundle.add("model.json", json.dumps(facts, sort_keys=True, default=str).encode())
-    bundle.add("embeddings.safetensors",
-               save_safetensors({"embeddings": model.embedding_matrix.float().cpu().contiguous()}))
+
+    def add(name: str, content: bytes) -> None:
+        if not is_snd_bundle_file(name):
+            raise ValueError(f"{name!r} is not a file an SnD bundle may hold (clients would refuse the bundle)")
+        bundle.add(name, content)
+
+    add("model.json", json.dumps(facts, sort_keys=True, default=str).encode())
+    add("embeddings.safetensors", save_safetensors({"embeddings": model.embedding_matrix.float().cpu().contiguous()}))
     with tempfile.TemporaryDirectory() as folder:
         model.require_tokenizer().save_pretrained(folder)
         for path in sorted(Path(folder).iterdir()):
-            bundle.add(f"tokenizer/{path.name}", path.read_bytes())
+            add(f"tokenizer/{path.name}", path.read_bytes())
     for directory in denoiser_dirs:
         card = read_card(directory)
         name = check_file_name(Path(directory).name)
-        bundle.add(f"denoisers/{name}/{WEIGHTS_FILE}", (Path(directory) / WEIGHTS_FILE).read_bytes())
-        bundle.add(f"denoisers/{name}/{CARD_FILE}", (Path(directory) / CARD_FILE).read_bytes())
+        add(f"denoisers/{name}/{WEIGHTS_FILE}", (Path(directory) / WEIGHTS_FILE).read_bytes())
+        add(f"denoisers/{name}/{CARD_FILE}", (Path(directory) / CARD_FILE).read_bytes())
         denoisers.append({"name": name, "eta_range": list(card.eta_range), "variant": card.config.variant,
                           "fingerprint": card.base_model.fingerprint})
     return bundle

@@ -21,10 +21,11 @@ from privlm._validation import check_choice, check_positive_finite, check_positi
 from privlm.accounting import Ledger
 from privlm.models import Tokens, TruncationPolicy
 from privlm.models.sources import cache_dir as privlm_cache_dir
-from privlm.service import RetryPolicy, ServerError, download_bundle
-from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, IncompleteEncodingError, SnDEncoder
+from privlm.service import RequestRefusedError, RetryPolicy, ServerError, download_bundle, get_capped
+from privlm.service.bundle import MANIFEST_LIMIT
+from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, IncompleteEncodingError, ModelChangedError, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch
-from privlm.snd.service.bundle import BUNDLE_PATH, bundle_embedder, choose_denoiser
+from privlm.snd.service.bundle import BUNDLE_PATH, bundle_embedder, choose_denoiser, is_snd_bundle_file
 from privlm.wire import (
     MODEL_FINGERPRINT_HEADER,
     RAW,
@@ -61,16 +62,17 @@ class Client(SnDEncoder):
         self.wire_format = check_choice("wire_format", wire_format, (SAFETENSORS, RAW))
         self.retry = RetryPolicy(retry_for=retry_for, retries=retries, backoff=backoff)
         self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=_auth(api_key), transport=transport)
-        self.manifest = _json(self.retry.call(lambda: self.http.get(BUNDLE_PATH)))
+        # Every bundle answer is read with a size cap: an endless body is refused, not buffered.
+        self.manifest = _json(get_capped(self.http, BUNDLE_PATH, MANIFEST_LIMIT, self.retry))
         self.weights_fingerprint = _weights_fingerprint(self.manifest)
         folder = download_bundle(self.manifest, self._fetch, Path(cache_dir) if cache_dir else privlm_cache_dir(),
-                                 namespace="snd-bundles")
+                                 namespace="snd-bundles", allowed=is_snd_bundle_file)
         super().__init__(bundle_embedder(folder, device=device), eta=eta,
                          denoiser=choose_denoiser(self.manifest, folder, eta, denoiser), batch_size=batch_size,
                          truncation=truncation, generator=generator, server=self._remote, ledger=ledger)
 
-    def _fetch(self, name: str) -> bytes:
-        return self.retry.call(lambda: self.http.get(f"{BUNDLE_PATH}/files/{name}")).content
+    def _fetch(self, name: str, size: int) -> bytes:
+        return get_capped(self.http, f"{BUNDLE_PATH}/files/{name}", size, self.retry).content
 
     def _remote(self, noisy: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # Idempotent: a retry resends the same noisy bytes (no new noise, no new release).
@@ -80,10 +82,10 @@ class Client(SnDEncoder):
 
     def check_answer(self, response: httpx.Response, *, rows: int) -> torch.Tensor:
         """The (rows, d) answer, if it came from the model of the bundle; else a :class:`ServerError`."""
-        served = response.headers.get(MODEL_FINGERPRINT_HEADER)
-        if served != self.weights_fingerprint:
+        served, expected = response.headers.get(MODEL_FINGERPRINT_HEADER), str(self.weights_fingerprint)
+        if served != expected:
             raise ModelChangedError(f"the server answered with model weights {str(served)[:16]}..., not the "
-                                    f"{self.weights_fingerprint[:16]}... of the bundle this client loaded (was the "
+                                    f"{expected[:16]}... of the bundle this client loaded (was the "
                                     "server restarted with another model?); refusing to mix two models' outputs: "
                                     "make a new Client")
         try:
@@ -99,10 +101,6 @@ class Client(SnDEncoder):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class ModelChangedError(ServerError):
-    """An answer came from other weights than the bundle's: the server now runs another model."""
 
 
 def _json(response: httpx.Response) -> dict[str, object]:
@@ -163,17 +161,18 @@ class AsyncClient:
         call.report.server_calls += len(answers) if local.needs_server else 0
         out = np.full((len(call.tokens), local.model.hidden_size), np.nan, dtype=np.float32)
         done: list[int] = []
-        failure: BaseException | None = None
         for indices, private, e_n in zip(call.batches, privates, answers, strict=True):
-            if isinstance(e_n, BaseException):
-                failure = failure or e_n
-                continue
-            out[indices] = local.denoise(private, e_n).float().cpu().numpy()
-            done.extend(indices)
-        if isinstance(failure, ServerError):  # the batches that came back are kept
-            raise IncompleteEncodingError(Encoded(out, call.report), done, failure) from failure
-        if failure is not None:
-            raise failure
+            if not isinstance(e_n, BaseException):
+                out[indices] = local.denoise(private, e_n).float().cpu().numpy()
+                done.extend(indices)
+        failures = [e for e in answers if isinstance(e, BaseException)]
+        unexpected = [e for e in failures if not isinstance(e, ServerError | RequestRefusedError)]
+        if unexpected:  # a bug, not the server: raise it as it is
+            raise unexpected[0]
+        if failures:  # the batches that came back are kept; a model change is named first
+            cause = next((e for e in failures if isinstance(e, ModelChangedError)), failures[0])
+            raise IncompleteEncodingError(Encoded(out, call.report), done, cause,
+                                          weights_fingerprint=local.weights_fingerprint) from cause
         return Encoded(out, call.report)
 
     async def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:

@@ -18,15 +18,15 @@ import base64
 import json
 import uuid
 from collections.abc import Sequence
-from typing import Literal, Unpack
+from typing import Annotated, Literal, Unpack
 
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
 
 from privlm._validation import check_positive_int
-from privlm.models import Tokens
+from privlm.models import Tokens, check_texts
 from privlm.service import (
     BearerKeys,
     FairScheduler,
@@ -48,6 +48,7 @@ MAX_REQUEST_BYTES = 8 * 2**20
 
 MAX_REQUEST_TOKENS = 300_000  # OpenAI's cap on the tokens of one embeddings request
 MAX_CONCURRENT_BATCHES = 4
+TOKENIZE_CHUNK = 64  # texts tokenized in one turn
 
 
 class EmbeddingRequest(BaseModel):
@@ -152,18 +153,40 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
     model_id = f"privlm-snd-{public_model_name(str(client.model.name))}"
     offered = [ModelEntry(id=model_id, dim=client.model.hidden_size)]
     max_length = client.model.max_length
+    width = client.model.hidden_size
+    Text = Annotated[str, StringConstraints(pattern=r"\S")]
+
+    class GatewayEmbeddingRequest(EmbeddingRequest):  # this gateway's real constraints, for its OpenAPI schema
+        input: Text | Annotated[list[Text], Field(min_length=1, max_length=max_inputs)] = Field(
+            description=f"Text or 1 to {max_inputs} texts, none blank (token arrays are refused: send text).")
+        model: str = Field(json_schema_extra={"enum": [model_id]}, description="This gateway's model.")
+        dimensions: int | None = Field(None, json_schema_extra={"enum": [width, None]},
+                                       description=f"{width}, the model's width, if given.")
+
     scheduler = FairScheduler(max_concurrent_batches)
+    tokenizing = FairScheduler(1)  # the tokenizer is serialised anyway: one turn at a time, fairly shared
     router = APIRouter(tags=["embeddings"])
 
-    async def tokenize(texts: list[str]) -> Tokens:
-        try:  # in a worker thread: the tokenizer is serialised, and the event loop must not wait on it
-            tokens = await asyncio.to_thread(client.model.tokens, texts)
+    async def tokenize(texts: list[str], caller: str) -> Tokens:
+        try:
+            check_texts(texts)
         except ValueError as error:
             raise ServiceError(400, str(error), param="input", code="invalid_input") from None
-        if sum(tokens.counts) > max_request_tokens:
-            raise ServiceError(400, f"the request holds {sum(tokens.counts)} tokens, more than the "
-                                    f"{max_request_tokens} allowed per request; split it", param="input",
-                               code="max_tokens_per_request")
+        parts, total = [], 0
+        for start in range(0, len(texts), TOKENIZE_CHUNK):  # a turn per chunk: others' requests interleave
+            async with tokenizing.turn(caller):
+                try:  # in a worker thread: the event loop must not wait on the tokenizer
+                    part = await asyncio.to_thread(client.model.tokens, texts[start:start + TOKENIZE_CHUNK])
+                except ValueError as error:
+                    raise ServiceError(400, f"{error} (counted from input {start})", param="input",
+                                       code="invalid_input") from None
+            parts.append(part)
+            total += sum(part.counts)
+            if total > max_request_tokens:  # refused as soon as it is known, untokenized rest and all
+                raise ServiceError(400, f"the request holds more than the {max_request_tokens} tokens allowed per "
+                                        f"request ({total} in its first {start + len(part)} inputs); split it",
+                                   param="input", code="max_tokens_per_request")
+        tokens = Tokens.join(parts)
         too_long = tokens.longer_than(max_length)
         if too_long and not truncate:
             raise ServiceError(400, f"inputs {too_long[:10]} exceed the model's maximum of {max_length} tokens "
@@ -183,9 +206,6 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
             raise _upstream_failure(error) from None
         return Encoded(vectors, call.report)
 
-    @router.post("/v1/embeddings", response_class=JSONResponse,
-                 responses={200: {"model": EmbeddingList, "description": "Private embeddings, in input order",
-                                  "headers": _PRIVACY_HEADERS}})
     async def embeddings(request: EmbeddingRequest, principal: str = Depends(auth.dependency)) -> Response:
         check_model(request.model, offered)
         texts = [request.input] if isinstance(request.input, str) else request.input
@@ -194,12 +214,18 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
         if request.dimensions is not None and request.dimensions != client.model.hidden_size:
             raise ServiceError(400, f"dimensions must be {client.model.hidden_size} for this model",
                                param="dimensions")
-        tokens = await tokenize(texts)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"  # open: fair between requests
+        tokens = await tokenize(texts, caller)
         encoded = await encode(tokens, caller, principal)
         content = await asyncio.to_thread(_render, model_id, encoded, request.encoding_format)
         return Response(content, media_type="application/json",
                         headers=_privacy_headers(client, encoded, tokens.longer_than(max_length)))
+
+    # The request model is made here, for this gateway: FastAPI could not resolve its name from a string.
+    embeddings.__annotations__["request"] = GatewayEmbeddingRequest
+    router.post("/v1/embeddings", response_class=JSONResponse,
+                responses={200: {"model": EmbeddingList, "description": "Private embeddings, in input order",
+                                 "headers": _PRIVACY_HEADERS}})(embeddings)
 
     return create_service_app(title="privlm gateway (OpenAI-compatible embeddings)",
                               routers=[router, catalog_router(offered)], auth=auth,

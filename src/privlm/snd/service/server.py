@@ -31,33 +31,62 @@ from privlm.service import (
 )
 from privlm.snd.artefacts import default_denoiser_dir
 from privlm.snd.service.bundle import BUNDLE_PATH, snd_bundle
-from privlm.wire import MODEL_FINGERPRINT_HEADER, RAW, SAFETENSORS, Limits, WireError, read_sequences, write_rows
+from privlm.wire import (
+    DTYPE_HEADER,
+    LENGTHS_HEADER,
+    MODEL_FINGERPRINT_HEADER,
+    RAW,
+    SAFETENSORS,
+    SEQUENCE_HEADER_PATTERNS,
+    SHAPE_HEADER,
+    Limits,
+    WireError,
+    read_sequences,
+    write_rows,
+)
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
-def _header(name: str, pattern: str, description: str) -> dict[str, object]:
-    return {"name": name, "in": "header", "required": False, "description": description,
-            "schema": {"type": "string", "pattern": pattern}}
+def _header(name: str, description: str) -> dict[str, object]:
+    return {"name": name, "in": "header", "required": True, "description": description,
+            "schema": {"type": "string", "pattern": SEQUENCE_HEADER_PATTERNS[name]}}
 
 
-# What the encode route really reads and answers. A raw body needs its three X-Privlm-* headers (a
-# safetensors body carries dtype and shape itself): without them it is refused with a 422.
+def _answer_header(description: str, pattern: str, *, required: bool) -> dict[str, object]:
+    return {"description": description, "required": required, "schema": {"type": "string", "pattern": pattern}}
+
+
+# What the encode route really reads and answers. Both body formats travel with the three X-Privlm-*
+# headers that declare them; a request without them, or whose body does not match them, is refused with
+# a 422. What the schema cannot say: the body's bytes must match the declared dtype and shape.
 _ENCODE_OPENAPI: dict[str, object] = {
     "parameters": [
-        _header("X-Privlm-Dtype", "^(float32|float16)$", "Raw bodies only (required there): the array's dtype."),
-        _header("X-Privlm-Shape", r"^[0-9]+,[0-9]+,[0-9]+$", "Raw bodies only (required there): 'B,n,d'."),
-        _header("X-Privlm-Lengths", r"^[0-9]+(,[0-9]+)*$",
-                "Raw bodies only (required there): each row's unpadded length, 'l1,...,lB'.")],
-    "requestBody": {"required": True, "content": {SAFETENSORS: _BINARY, RAW: _BINARY}},
+        _header(DTYPE_HEADER, "The embeddings' dtype, float32 or float16 (both body formats; a safetensors "
+                              "body's 'embeddings' tensor must have it)."),
+        _header(SHAPE_HEADER, "The embeddings' shape 'B,n,d': B sequences of n token vectors of the model's "
+                              "dimension d, within the server's max_batch and max_tokens (both body formats; a "
+                              "safetensors body's 'embeddings' tensor must have it)."),
+        _header(LENGTHS_HEADER, "Each sequence's unpadded length 'l1,...,lB', B entries in [1, n] (both body "
+                                "formats; a safetensors body's right-padded 'attention_mask' must match it).")],
+    "requestBody": {"required": True, "description": "Safetensors with 'embeddings' (B, n, d) and "
+                    "'attention_mask' (B, n), or the raw little-endian (B, n, d) array, as the headers declare.",
+                    "content": {SAFETENSORS: _BINARY, RAW: _BINARY}},
     "responses": {"200": {
-        "description": "Pooled embeddings (B, d), in the request's format and dtype (raw: X-Privlm-Dtype and "
-                       "X-Privlm-Shape 'B,d' describe the array).",
+        "description": "Pooled embeddings (B, d), in the request's format and dtype: safetensors with an "
+                       "'embeddings' tensor, or the raw little-endian array that X-Privlm-Dtype and "
+                       "X-Privlm-Shape 'B,d' describe.",
         "content": {SAFETENSORS: _BINARY, RAW: _BINARY},
-        "headers": {MODEL_FINGERPRINT_HEADER: {"description": "sha256 of the weights that computed the answer",
-                                               "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}}},
-        "422": {"description": "Malformed payload: not finite, wrong shape or dtype, a raw body without its "
-                               "X-Privlm-* headers, or values so large that the model's output is not finite"}}}
+        "headers": {
+            MODEL_FINGERPRINT_HEADER: _answer_header("sha256 of the weights that computed the answer",
+                                                     "^[0-9a-f]{64}$", required=True),
+            DTYPE_HEADER: _answer_header("Raw answers only: the array's dtype", "^(float32|float16)$",
+                                         required=False),
+            SHAPE_HEADER: _answer_header("Raw answers only: the array's shape 'B,d'", "^[1-9][0-9]*,[1-9][0-9]*$",
+                                         required=False)}},
+        "422": {"description": "Malformed payload: missing or malformed X-Privlm-* headers, a body that does not "
+                               "match them, not finite, wrong shape or dtype, or values so large that the model's "
+                               "output is not finite"}}}
 
 
 def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None, api_keys: Sequence[str] = (),
@@ -85,7 +114,7 @@ def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None
 
     router = APIRouter(tags=["snd"])
     name, fingerprint = public_model_name(str(model.name)), model.weights_fingerprint
-    catalog = catalog_router([ModelEntry(id=name, dim=model.hidden_size, fingerprint=fingerprint)])
+    catalog = catalog_router([ModelEntry(id=name, dim=model.hidden_size, weights_fingerprint=fingerprint)])
 
     @router.post("/v1/snd/encode", openapi_extra=_ENCODE_OPENAPI, response_class=Response)
     async def encode(request: Request) -> Response:
@@ -101,7 +130,7 @@ def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None
 
     app = create_service_app(title="privlm SnD server", routers=[router, catalog, bundle.router(BUNDLE_PATH)],
                              auth=BearerKeys(api_keys), max_request_bytes=limits.max_request_bytes,
-                             health=lambda: {"model": name, "fingerprint": fingerprint},
+                             health=lambda: {"model": name, "weights_fingerprint": fingerprint},
                              lifespan=lifespan, **service)
     rows = Histogram("privlm_batch_rows", "Sentences per forward pass", registry=app.state.metrics.registry,
                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
