@@ -79,7 +79,7 @@ def test_malformed_tensors_are_refused(embeddings, mask, lengths, match):
 def test_garbage_and_wrong_names_are_refused():
     with pytest.raises(WireError, match="not valid safetensors"):
         _safetensors(b"\x00" * 64)
-    with pytest.raises(WireError, match="expected tensors"):
+    with pytest.raises(WireError, match="expected exactly the tensors"):
         _safetensors(save({"input_ids": torch.ones(1, 2)}))
 
 

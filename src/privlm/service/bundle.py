@@ -83,7 +83,8 @@ class Bundle:
         @router.get(prefix + "/files/{name:path}", response_class=Response)
         async def bundle_file(name: str) -> Response:
             if name not in self.files:
-                raise ServiceError(404, f"no bundle file {name[:80]!r}", type="not_found_error", param="name")
+                raise ServiceError(404, "no such bundle file; the manifest lists them", type="not_found_error",
+                                   param="name")
             return Response(self.files[name].content, media_type="application/octet-stream",
                             headers={"x-privlm-sha256": self.files[name].sha256})
 
@@ -134,12 +135,16 @@ def _entries(manifest: Mapping[str, object]) -> list[tuple[str, str, int]]:
     return entries
 
 
+MAX_BUNDLE_BYTES = 2 * 2**30  # what a client downloads at most, whatever a manifest declares
+
+
 def download_bundle(manifest: Mapping[str, object], fetch: Callable[[str, int], bytes], cache: Path, *,
-                    namespace: str, allowed: Callable[[str], bool]) -> Path:
+                    namespace: str, allowed: Callable[[str], bool], max_bytes: int = MAX_BUNDLE_BYTES) -> Path:
     """Every listed file, fetched by name, verified against its size and sha256, written atomically inside
     ``cache/namespace/<manifest hash>``; files already there and intact are reused. ``allowed`` says which
-    names the bundle kind holds: a manifest naming any other file is refused before anything is fetched.
-    ``fetch(name, size)`` gets the size the manifest declares, to stop reading past it."""
+    names the bundle kind holds: a manifest naming any other file, or declaring more than ``max_bytes`` in
+    all, is refused before anything is fetched. ``fetch(name, size)`` gets the size the manifest declares,
+    to stop reading past it."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
     folder = (cache / namespace / digest).resolve()
     entries = _entries(manifest)
@@ -147,6 +152,10 @@ def download_bundle(manifest: Mapping[str, object], fetch: Callable[[str, int], 
         if not allowed(name):
             raise ServerError(f"the bundle manifest names {name!r}, not a file this kind of bundle holds; "
                               "refusing the bundle")
+    declared = sum(size for _, _, size in entries)
+    if declared > max_bytes:
+        raise ServerError(f"the bundle manifest declares {declared} bytes, more than max_bytes={max_bytes}; "
+                          "refusing the bundle")
     for name, sha256, size in entries:
         target = (folder / name).resolve()
         if not target.is_relative_to(folder):

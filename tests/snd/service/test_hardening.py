@@ -775,3 +775,38 @@ def test_finding_11_a_body_without_its_headers_is_schema_invalid_and_refused(tin
     for answer in answers.values():
         assert answer.status_code == 422
         assert "X-Privlm-Dtype header is required" in answer.json()["error"]["message"]
+
+
+def test_finding_1_a_bundle_declaring_too_much_is_refused_before_anything_is_fetched(tiny, tmp_path):
+    def huge(manifest: dict) -> None:
+        manifest["files"][0]["size"] = 3 * 2**30  # 3 GiB, with a capped stream it would still be held in memory
+    counting = Counting(hostile_bundle_app(tiny, {}, extra=huge))
+    with serving(counting) as url, pytest.raises(ServerError, match="max_bytes"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+    assert counting.paths == [BUNDLE_PATH]
+
+
+@pytest.mark.parametrize(("name", "value"), [("x-privlm-shape", "1" * 5000 + ",1,32"),
+                                             ("x-privlm-lengths", "9" * 5000)])
+def test_finding_6_an_overlong_number_in_a_header_is_a_422_not_a_500(tiny, name, value):
+    headers = {"content-type": "application/octet-stream", "x-privlm-dtype": "float32", "x-privlm-shape": "1,1,32",
+               "x-privlm-lengths": "1", name: value}
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        answer = httpx.post(f"{url}/v1/snd/encode", content=b"\0" * 128, headers=headers)
+    assert answer.status_code == 422 and value not in answer.text
+
+
+def test_finding_9_the_server_quotes_nothing_the_caller_sent(tiny):
+    from safetensors.torch import save
+
+    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+        answers = [httpx.get(f"{url}{BUNDLE_PATH}/files/my-secret-diagnosis"),
+                   httpx.post(f"{url}/v1/snd/encode", content=b"x", headers={"content-type": "my/secret-diagnosis"}),
+                   httpx.post(f"{url}/v1/snd/encode", content=save({"my_secret_diagnosis": torch.ones(1)}),
+                              headers={"content-type": "application/x-safetensors", "x-privlm-dtype": "float32",
+                                       "x-privlm-shape": "1,1,32", "x-privlm-lengths": "1"}),
+                   httpx.post(f"{url}/v1/snd/encode", content=b"x", headers={
+                       "content-type": "application/octet-stream", "x-privlm-dtype": "my-secret-diagnosis",
+                       "x-privlm-shape": "1,1,32", "x-privlm-lengths": "1"})]
+    assert [answer.status_code for answer in answers] == [404, 415, 422, 422]
+    assert not any("secret" in answer.text for answer in answers)

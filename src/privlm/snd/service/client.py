@@ -22,7 +22,7 @@ from privlm.accounting import Ledger
 from privlm.models import Tokens, TruncationPolicy
 from privlm.models.sources import cache_dir as privlm_cache_dir
 from privlm.service import RequestRefusedError, RetryPolicy, ServerError, download_bundle, get_capped
-from privlm.service.bundle import MANIFEST_LIMIT
+from privlm.service.bundle import MANIFEST_LIMIT, MAX_BUNDLE_BYTES
 from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, IncompleteEncodingError, ModelChangedError, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch
 from privlm.snd.service.bundle import BUNDLE_PATH, bundle_embedder, choose_denoiser, is_snd_bundle_file
@@ -54,10 +54,11 @@ class Client(SnDEncoder):
                  dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
                  truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
                  device: str | torch.device = "auto", transport: httpx.BaseTransport | None = None,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, max_bundle_bytes: int = MAX_BUNDLE_BYTES) -> None:
         # Every setting is checked before anything is downloaded.
         eta = check_positive_finite("eta", eta)
         check_positive_int("batch_size", batch_size)
+        check_positive_int("max_bundle_bytes", max_bundle_bytes)
         self.dtype = check_choice("dtype", dtype, WIRE_DTYPES)
         self.wire_format = check_choice("wire_format", wire_format, (SAFETENSORS, RAW))
         self.retry = RetryPolicy(retry_for=retry_for, retries=retries, backoff=backoff)
@@ -66,7 +67,7 @@ class Client(SnDEncoder):
         self.manifest = _json(get_capped(self.http, BUNDLE_PATH, MANIFEST_LIMIT, self.retry))
         self.weights_fingerprint = _weights_fingerprint(self.manifest)
         folder = download_bundle(self.manifest, self._fetch, Path(cache_dir) if cache_dir else privlm_cache_dir(),
-                                 namespace="snd-bundles", allowed=is_snd_bundle_file)
+                                 namespace="snd-bundles", allowed=is_snd_bundle_file, max_bytes=max_bundle_bytes)
         super().__init__(bundle_embedder(folder, device=device), eta=eta,
                          denoiser=choose_denoiser(self.manifest, folder, eta, denoiser), batch_size=batch_size,
                          truncation=truncation, generator=generator, server=self._remote, ledger=ledger)
