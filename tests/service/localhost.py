@@ -19,9 +19,22 @@ from privlm.service.serving import service_config
 @contextmanager
 def serving(app: FastAPI, port: int | None = None, *, delay: float = 0.0) -> Iterator[str]:
     """Yield the base URL while the server runs; ``delay`` starts it late (to test retries)."""
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port or free_port(), log_level="warning", lifespan="on")
+    with _running(uvicorn.Server(config), delay=delay) as url:
+        yield url
 
+
+@contextmanager
+def serving_guarded(app: FastAPI, **limits: Any) -> Iterator[str]:
+    """Like :func:`serving`, on the server ``privlm serve`` and ``privlm gateway`` run
+    (:func:`privlm.service.serving.service_config`: header timeout, cap on connections); ``limits`` go to it."""
+    with _running(uvicorn.Server(service_config(app, host="127.0.0.1", port=free_port(), **limits))) as url:
+        yield url
+
+
+@contextmanager
+def _running(server: uvicorn.Server, *, delay: float = 0.0) -> Iterator[str]:
+    """Run ``server`` in a background thread (after ``delay`` s); wait until it is up unless delayed."""
     def run() -> None:
         time.sleep(delay)
         server.run()
@@ -32,23 +45,6 @@ def serving(app: FastAPI, port: int | None = None, *, delay: float = 0.0) -> Ite
         deadline = time.monotonic() + 20
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-
-
-@contextmanager
-def serving_guarded(app: FastAPI, **limits: Any) -> Iterator[str]:
-    """Like :func:`serving`, on the server ``privlm serve`` and ``privlm gateway`` run
-    (:func:`privlm.service.serving.service_config`: header timeout, cap on connections); ``limits`` go to it."""
-    server = uvicorn.Server(service_config(app, host="127.0.0.1", port=free_port(), **limits))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{server.config.port}"
     finally:

@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 
 _Keys = TypeVar("_Keys")
 
+# Options of both services, `privlm serve` and `privlm gateway`.
+MaxInFlightOption = Annotated[int, typer.Option(
+    "--max-in-flight", help="Requests with a body read or processed at once (a quarter of them per API key); more "
+                            "get a 503 (429) to retry. Memory for bodies: about this times the largest request.")]
+DocsOption = Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")]
+AllowKeylessOption = Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
+                                                                           "than loopback, to anyone.")]
+
 snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
 app.add_typer(snd_app, name="snd")
 
@@ -209,13 +217,9 @@ def serve(
     replicas: Annotated[int, typer.Option(help="With --ray: number of replicas.")] = 1,
     replica_cpus: Annotated[float, typer.Option(help="With --ray: CPUs reserved per replica.")] = 1.0,
     ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")] = None,
-    max_in_flight: Annotated[int, typer.Option(help="Requests with a body read or processed at once (a quarter of "
-                                                    "them per API key); more get a 503 (429) to retry (memory: "
-                                                    "this times the largest request).")] = 32,
-    docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")
-                    ] = False,
-    allow_keyless: Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
-                                                                        "than loopback, to anyone.")] = False,
+    max_in_flight: MaxInFlightOption = 32,
+    docs: DocsOption = False,
+    allow_keyless: AllowKeylessOption = False,
 ) -> None:
     """The vendor's SnD server: noisy token embeddings in, pooled embeddings out. Never sees text."""
     from privlm.service.auth import API_KEYS_ENV
@@ -280,12 +284,9 @@ def gateway(
                                                       "every token row released); none: unlimited.")] = None,
     ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: one per server model, "
                                                      "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
-    max_in_flight: Annotated[int, typer.Option(help="Requests with a body read or processed at once (a quarter "
-                                                    "of them per API key); more get a 503 (429) to retry.")] = 32,
-    docs: Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")
-                    ] = False,
-    allow_keyless: Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
-                                                                        "than loopback, to anyone.")] = False,
+    max_in_flight: MaxInFlightOption = 32,
+    docs: DocsOption = False,
+    allow_keyless: AllowKeylessOption = False,
 ) -> None:
     """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
     from privlm.accounting import Ledger

@@ -565,33 +565,30 @@ def test_finding_8_finished_batches_survive_an_outage_past_the_budget(tiny, tmp_
     assert rest.shape == (2, tiny.hidden_size)
 
 
-def test_finding_8_timeouts_are_resent_only_when_idempotent():
-    attempts = []
+def failing_once(error: type[httpx.TransportError]) -> tuple[httpx.Client, list[httpx.Request]]:
+    """A client whose first request fails with ``error``; every later one gets a 200. Records the attempts."""
+    attempts: list[httpx.Request] = []
 
-    def timing_out(request: httpx.Request) -> httpx.Response:
+    def answer(request: httpx.Request) -> httpx.Response:
         attempts.append(request)
         if len(attempts) == 1:
-            raise httpx.ReadTimeout("slow", request=request)
+            raise error("failed", request=request)
         return httpx.Response(200)
 
-    http = httpx.Client(transport=httpx.MockTransport(timing_out), base_url="http://server")
+    return httpx.Client(transport=httpx.MockTransport(answer), base_url="http://server"), attempts
+
+
+def test_finding_8_timeouts_are_resent_only_when_idempotent():
     policy = RetryPolicy(retry_for=5, backoff=0.0)
+    http, attempts = failing_once(httpx.ReadTimeout)
     assert policy.call(lambda: http.post("/encode")).status_code == 200 and len(attempts) == 2
-    attempts.clear()
+    http, attempts = failing_once(httpx.ReadTimeout)
     with pytest.raises(ServerError, match="not resent"):
         policy.call(lambda: http.post("/charge"), idempotent=False)
     assert len(attempts) == 1  # it may have arrived: never sent twice
-
-    attempts.clear()
-
-    def refusing_to_connect(request: httpx.Request) -> httpx.Response:
-        attempts.append(request)
-        if len(attempts) == 1:
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200)
-
-    http = httpx.Client(transport=httpx.MockTransport(refusing_to_connect), base_url="http://server")
+    http, attempts = failing_once(httpx.ConnectError)
     assert policy.call(lambda: http.post("/charge"), idempotent=False).status_code == 200  # it never left
+    assert len(attempts) == 2
 
 
 # --- finding 9: OpenAI compatibility ------------------------------------------------------------------------------
