@@ -1,0 +1,102 @@
+"""The shared driver of the token-level baselines (SANTEXT, CUSTEXT, InferDPT, Text2Text).
+
+A baseline says, per token, whether it is perturbed (``outcomes``) and how a perturbed token is
+released (``release``: one draw per position, vectorised). The driver tokenizes with
+:func:`~privlm.models.prompts.tokenize_prompt`, charges the ledger before anything is drawn, and
+builds the text and the report of :mod:`privlm.models.perturbation`. Every token gets an outcome;
+none is dropped, and none is kept unless a rule says so and the report shows it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from privlm.accounting import Ledger
+from privlm.mechanisms import PrivacyUnit, Spend, make_generator
+from privlm.models import check_texts
+from privlm.models.perturbation import (
+    NOTHING_SPENT,
+    PerturbedPrompt,
+    PromptReport,
+    TokenOutcome,
+    released_text,
+    token_records,
+)
+from privlm.models.prompts import NonSensitiveTokens, PromptTokens, tokenize_prompt
+from privlm.models.vocabulary import CandidateVocabulary
+
+
+class TokenLevelBaseline(ABC):
+    """Tokenize, choose outcomes, spend, release, report. Subclasses give ``outcomes`` and ``release``."""
+
+    name: str = "token-level"
+    unit: PrivacyUnit = PrivacyUnit.EPSILON
+    guarantee: str = ""
+
+    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float,
+                 non_sensitive: NonSensitiveTokens | None = None, generator: torch.Generator | None = None,
+                 ledger: Ledger | None = None, principal: str = "local") -> None:
+        from privlm._validation import check_positive_finite
+
+        self._vocabulary = vocabulary
+        self.epsilon = check_positive_finite("epsilon", epsilon)
+        self.non_sensitive = non_sensitive  # None: every token is perturbed
+        self.generator = generator or make_generator(device=vocabulary.device)
+        self.ledger, self.principal = ledger, principal
+
+    @property
+    def vocabulary(self) -> CandidateVocabulary:
+        return self._vocabulary
+
+    # --- what a subclass decides ---------------------------------------------------------------
+    def outcomes(self, prompt: PromptTokens) -> list[TokenOutcome]:
+        """Per token: PERTURBED (UNKNOWN for the tokenizer's unknown token), or NON_SENSITIVE when listed."""
+        listed = prompt.non_sensitive if self.non_sensitive is not None else (False,) * len(prompt)
+        return [TokenOutcome.UNKNOWN if unknown else TokenOutcome.NON_SENSITIVE if kept else TokenOutcome.PERTURBED
+                for kept, unknown in zip(listed, prompt.unknown, strict=True)]
+
+    @abstractmethod
+    def release(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Released token ids (n,) for input token ids (n,): one independent draw per position."""
+
+    def per_token_cost(self) -> float:
+        """What one perturbed token costs in the ledger, in ``unit``."""
+        return self.epsilon
+
+    def accounting(self, n_perturbed: int) -> dict[str, float]:
+        """Per-prompt totals: the paper's and privlm's (equal unless a subclass says otherwise)."""
+        total = self.per_token_cost() * n_perturbed
+        return {"paper": total, "privlm": total}
+
+    # --- the driver ----------------------------------------------------------------------------
+    def perturb(self, text: str) -> PerturbedPrompt:
+        return self.perturb_batch([text])[0]
+
+    def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
+        check_texts(texts)
+        return [self._perturb_one(tokenize_prompt(self.vocabulary.tokenizer, text, self.non_sensitive))
+                for text in texts]
+
+    def _perturb_one(self, prompt: PromptTokens) -> PerturbedPrompt:
+        outcomes = self.outcomes(prompt)
+        drawn = [i for i, o in enumerate(outcomes) if o in (TokenOutcome.PERTURBED, TokenOutcome.UNKNOWN)]
+        accounting = self.accounting(len(drawn))
+        spent = None
+        if self.ledger is not None and drawn:
+            # Spend first: a refused spend (BudgetExhaustedError) releases nothing.
+            self.ledger.spend(self.principal, Spend(self.unit, accounting["privlm"]), note=self.name)
+            spent = accounting["privlm"]
+        released = list(prompt.ids)
+        if drawn:
+            ids = torch.tensor([prompt.ids[i] for i in drawn], dtype=torch.long, device=self.vocabulary.device)
+            for i, token in zip(drawn, self.release(ids).tolist(), strict=True):
+                released[i] = int(token)
+        epsilon = [self.epsilon if i in set(drawn) else None for i in range(len(prompt))]
+        records = token_records(prompt, self.vocabulary, released, outcomes, epsilon=epsilon)
+        report = PromptReport(mechanism=self.name, tokens=records, candidate_set_size=self.vocabulary.size,
+                              accounting=accounting, guarantee=self.guarantee, uncovered=prompt.uncovered,
+                              spent=spent, notes=() if drawn else (NOTHING_SPENT,))
+        return PerturbedPrompt(text=released_text(self.vocabulary, released), report=report)

@@ -1,0 +1,133 @@
+"""What a token-level text mechanism returns: the released text and a report of every token.
+
+Cape and the token-level baselines (SANTEXT, CUSTEXT, InferDPT, Text2Text) share this interface,
+:class:`TextPerturber`, so one benchmark and one service can drive any of them. The report stays on
+the client: it holds the original text of every token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+from privlm.models.prompts import PromptTokens
+from privlm.models.vocabulary import CandidateVocabulary
+
+
+class TokenOutcome(StrEnum):
+    """What happened to one token."""
+
+    PERTURBED = "perturbed"  # released by the mechanism (the release may equal the original)
+    NON_SENSITIVE = "non-sensitive"  # in the non-sensitive list: released unchanged, costs nothing
+    UNKNOWN = "unknown"  # the tokenizer's unknown token: perturbed from the unknown token's row
+    KEPT = "kept"  # released unchanged by the mechanism's own rule (SANTEXT+: a frequent word kept)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenRecord:
+    """One token of a prompt and its release."""
+
+    position: int
+    original: str  # the prompt's text of this token (its character span)
+    original_id: int
+    released: str  # the released token's own text
+    released_id: int
+    outcome: TokenOutcome
+    epsilon: float | None = None  # the mechanism's epsilon for this token (None when not perturbed)
+    eps_prime: float | None = None  # Cape: the paper's realised eps' = ln(max_b |b| / min_b |b|)
+    non_empty_buckets: int | None = None  # Cape: K, the number of non-empty buckets
+    chunk: int = 0  # which chunk of a long prompt the token was processed in
+
+    @property
+    def changed(self) -> bool:
+        return self.released_id != self.original_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptReport:
+    """Per token and per prompt: what was released, and what it cost under each accounting."""
+
+    mechanism: str
+    tokens: tuple[TokenRecord, ...]
+    candidate_set_size: int
+    accounting: Mapping[str, float]  # per-prompt totals, by accounting ("paper", "privlm", ...)
+    guarantee: str  # the neighbouring relation and the meaning of the privlm total, in one sentence
+    chunks: int = 1
+    uncovered: tuple[tuple[int, int], ...] = ()  # character spans no token covers (not released)
+    spent: float | None = None  # what the ledger was charged (None: no ledger)
+    notes: tuple[str, ...] = field(default=())
+
+    def count(self, outcome: TokenOutcome) -> int:
+        return sum(1 for t in self.tokens if t.outcome is outcome)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_perturbed(self) -> int:
+        """Tokens that went through the mechanism (unknown tokens included)."""
+        return self.count(TokenOutcome.PERTURBED) + self.count(TokenOutcome.UNKNOWN)
+
+    @property
+    def n_changed(self) -> int:
+        return sum(1 for t in self.tokens if t.changed)
+
+
+@dataclass(frozen=True)
+class PerturbedPrompt:
+    """The text to send, and the report to keep."""
+
+    text: str
+    report: PromptReport
+
+
+@runtime_checkable
+class TextPerturber(Protocol):
+    """A token-level text mechanism: ``perturb`` one prompt, ``perturb_batch`` many (same order)."""
+
+    name: str
+
+    @property
+    def vocabulary(self) -> CandidateVocabulary: ...
+
+    def perturb(self, text: str) -> PerturbedPrompt: ...
+
+    def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]: ...
+
+
+NOTHING_SPENT = "every token is non-sensitive: nothing was perturbed and nothing was spent"
+
+
+def released_text(vocabulary: CandidateVocabulary, ids: Sequence[int]) -> str:
+    """The tokenizer's decoding of the released ids (lossless for byte-level BPE)."""
+    return str(vocabulary.tokenizer.decode(list(ids), clean_up_tokenization_spaces=False))
+
+
+def token_records(prompt: PromptTokens, vocabulary: CandidateVocabulary, released_ids: Sequence[int],
+                  outcomes: Sequence[TokenOutcome], *, epsilon: Sequence[float | None] | None = None,
+                  eps_prime: Sequence[float | None] | None = None,
+                  non_empty_buckets: Sequence[int | None] | None = None,
+                  chunks: Sequence[int] | None = None) -> tuple[TokenRecord, ...]:
+    """One record per token of ``prompt``; optional columns default to None (chunk 0)."""
+    n = len(prompt)
+    if not (len(released_ids) == len(outcomes) == n):
+        raise ValueError(f"need one released id and one outcome per token ({n}), got {len(released_ids)} "
+                         f"and {len(outcomes)}")
+    texts = vocabulary.token_texts(list(released_ids))
+    def column(values: Sequence[object] | None, i: int) -> object:
+        return None if values is None else values[i]
+    records = []
+    for i in range(n):
+        eps = column(epsilon, i)
+        if eps is not None and not (isinstance(eps, float | int) and math.isfinite(eps)):
+            raise ValueError(f"epsilon of token {i} must be finite, got {eps!r}")
+        records.append(TokenRecord(
+            position=i, original=prompt.piece(i), original_id=prompt.ids[i], released=texts[i],
+            released_id=int(released_ids[i]), outcome=outcomes[i], epsilon=None if eps is None else float(eps),
+            eps_prime=column(eps_prime, i), non_empty_buckets=column(non_empty_buckets, i),  # type: ignore[arg-type]
+            chunk=0 if chunks is None else int(chunks[i])))
+    return tuple(records)
