@@ -50,6 +50,15 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def tiny_masked_lm(tmp_path_factory):
+    """A tiny random BertForMaskedLM (64 positions, WordPiece tokenizer) as a device LanguageModel."""
+    from privlm.models.language import LanguageModel
+    from tests.models.tiny import tiny_masked_lm_folder
+
+    return LanguageModel.from_pretrained(tiny_masked_lm_folder(tmp_path_factory.mktemp("tiny-mlm")), device="cpu")
+
+
+@pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory):
     """A tiny random BERT with a real WordPiece tokenizer, loaded from a local folder."""
     from privlm.models import SplitModel

@@ -1,10 +1,9 @@
-"""``privlm demo``: what the foundation does, on the packaged MiniLM model.
+"""``privlm demo``: what privlm does, on the packaged MiniLM and SmolLM2 models.
 
 1. Privatize a sentence's token embeddings with the d_chi mechanism.
 2. Run the nearest-neighbour inversion attack on what a server would see, at a strong and a
    weak eta: it fails at the first and succeeds at the second.
-3. Perturb a prompt token by token with the plain exponential mechanism, and with Cape's
-   bucketized variant, over the whole vocabulary.
+3. Cape: one prompt before and after, with its per-token report and what it cost (on SmolLM2).
 4. Split-N-Denoise in-process: private sentence embeddings, with and without the shipped denoiser.
 5. Split-N-Denoise as a service: ``privlm serve`` and ``privlm gateway`` on localhost, the client
    SDK, and one OpenAI-format request through the gateway (plain httpx: the demo needs nothing from
@@ -22,19 +21,21 @@ from rich.table import Table
 
 from privlm.attacks import undo_clip_scale
 from privlm.mechanisms import (
-    BucketizedExponentialMechanism,
     DChiLaplace,
-    ExponentialMechanism,
     clip_with_effective_noise,
     make_generator,
     project_to_vocabulary,
-    squared_distances,
 )
 from privlm.models import SplitModel
 from privlm.service.process import free_port, start_privlm, stop
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
-PROMPT = "My name is Alice and I live in Boston."
+PROMPT = "My name is Alice Smith, I live in Boston and my doctor says I have diabetes."
+CAPE_EPSILON = 6.0
+# Public sample prompts for the logit bound: never the prompts being protected.
+CALIBRATION_PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
+                       "Summarise this report in three sentences.", "How do I bake bread at home?",
+                       "Translate 'good morning' into Spanish.", "Explain photosynthesis to a child."]
 SND_SENTENCES = ["I absolutely love my new phone, the camera is stunning.",
                  "The delivery was late and the support team never answered.",
                  "Driverless cars will change how cities are planned."]
@@ -72,22 +73,32 @@ def inversion_at(model: SplitModel, sentence: str, eta: float, generator: torch.
                         success_rate=success, cosine_to_clean=cosine)
 
 
-def similarity_utility(model: SplitModel, token_ids: torch.Tensor) -> torch.Tensor:
-    """u(x, y) = 1 - (dist - min) / (max - min) over the vocabulary, in [0, 1]: sensitivity 1."""
-    distances = squared_distances(model.embedding_matrix[token_ids], model.embedding_matrix).sqrt()
-    low, high = distances.min(dim=-1, keepdim=True).values, distances.max(dim=-1, keepdim=True).values
-    return 1 - (distances - low) / (high - low)
+def cape_section(console: Console, generator: torch.Generator) -> None:
+    """One prompt before and after Cape on the packaged SmolLM2, with its per-token report."""
+    from privlm.cape import Cape
 
-
-def perturb_prompt(model: SplitModel, prompt: str, mechanism: ExponentialMechanism | BucketizedExponentialMechanism,
-                   generator: torch.Generator) -> tuple[str, float | None]:
-    """Replace every word piece of ``prompt``; returns the new text and the largest realised eps'."""
-    ids = model.content_ids([prompt])[0]
-    utility = similarity_utility(model, torch.tensor(ids, device=model.device))
-    text = str(model.require_tokenizer().decode(mechanism.sample(utility, generator=generator).tolist()))
-    if isinstance(mechanism, BucketizedExponentialMechanism):
-        return text, mechanism.bucketing(utility).eps_prime.max().item()
-    return text, None
+    console.print(f"[bold]2. Cape: a private prompt[/bold]  prompt: {PROMPT!r}")
+    with console.status("Loading SmolLM2-135M-Instruct (Cape's device model) and calibrating its logit bound..."):
+        cape = Cape("smollm2", epsilon=CAPE_EPSILON, generator=generator)
+        bound = cape.calibrate(CALIBRATION_PROMPTS)
+    result = cape.perturb(PROMPT)
+    report = result.report
+    model = cape.device_model
+    console.print(f"Device model {model.name} ({model.kind}): |C| = {report.candidate_set_size:,} candidates, "
+                  f"logit bound B = {bound.value:.2f} (from {bound.n_texts} public sample prompts), "
+                  f"epsilon = {CAPE_EPSILON:g} per sensitive token, N_b = {cape.config.n_buckets} buckets")
+    table = Table("pos", "original", "what happened", "sent", "eps'", "K")
+    for token in report.tokens:
+        perturbed = token.epsilon is not None
+        table.add_row(str(token.position), repr(token.original), str(token.outcome), repr(token.released),
+                      f"{token.eps_prime:.2f}" if perturbed and token.eps_prime is not None else "-",
+                      str(token.non_empty_buckets) if perturbed else "-")
+    console.print(table)
+    console.print(f"sent to the chat API: {result.text!r}")
+    console.print(f"spent for this prompt: {report.accounting['privlm']:.1f} (privlm's sound bound: eps + ln N_b + "
+                  f"ln |C| per perturbed token, composed over the {report.n_perturbed} perturbed tokens because each "
+                  f"one's context holds the others); the paper's accounting (eps + eps' per token) would say "
+                  f"{report.accounting['paper']:.1f}. See docs/cape.md.\n")
 
 
 def run(console: Console | None = None, *, seed: int | None = None) -> list[InversionRow]:
@@ -108,17 +119,7 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
     console.print("Strong privacy (eta = 25): the nearest-neighbour attack recovers almost nothing. "
                   "Weak privacy (eta = 200): it reads the sentence back.\n")
 
-    console.print(f"[bold]2. Exponential mechanism on a prompt[/bold]  prompt: {PROMPT!r}")
-    table = Table("mechanism", "epsilon / token", "perturbed prompt", "realised eps'")
-    for eps in (10.0, 50.0):
-        text, _ = perturb_prompt(model, PROMPT, ExponentialMechanism(epsilon=eps), generator)
-        table.add_row("plain EM", f"{eps:g}", text, "-")
-        text, eps_prime = perturb_prompt(model, PROMPT, BucketizedExponentialMechanism(epsilon=eps), generator)
-        table.add_row("bucketized EM (N_b=50)", f"{eps:g}", text, f"{eps_prime:.2f}")
-    console.print(table)
-    console.print("Utility = normalised embedding similarity over all 30,522 tokens (sensitivity 1). Plain EM "
-                  "spreads its mass over the long tail; bucketing concentrates it on similar tokens at the "
-                  "cost of the data-dependent eps' (see README).")
+    cape_section(console, generator)
     snd_section(console, model, generator)
     service_section(console, model, generator)
     return rows

@@ -66,6 +66,20 @@ def tiny_bert_folder(path: Path) -> Path:
     return path
 
 
+def tiny_masked_lm_folder(path: Path) -> Path:
+    """A saved tiny random BertForMaskedLM (64 positions) with the WordPiece tokenizer of ``tiny_bert_folder``."""
+    from transformers import BertForMaskedLM
+
+    words = WORDS + [f"w{i}" for i in range(VOCAB - len(WORDS))]
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(words)})
+    torch.manual_seed(0)  # test-only determinism of the random weights
+    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=37, max_position_embeddings=64)).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def train_tiny_denoiser(model: SplitModel, out_dir: Path, *, variant: str = "snd", steps: int = 2) -> Path:
     """A one-layer denoiser for a tiny model, trained for a couple of steps (services and sweeps tests)."""
     from rich.console import Console

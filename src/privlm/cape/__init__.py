@@ -1,1 +1,22 @@
-"""Cape: context-aware private prompts (Wu et al. 2025), on the mechanism protocol and the ledger."""
+"""Cape: context-aware private prompts (Wu et al. 2025), on the mechanism protocol and the ledger.
+
+``Cape`` perturbs each sensitive token of a prompt on the user's machine; see :mod:`privlm.cape.utility`
+for privlm's definition of the utility and :mod:`privlm.cape.accounting` for the guarantee.
+"""
+
+from privlm.cape.accounting import GUARANTEE, PairBound
+from privlm.cape.calibration import LogitBound
+from privlm.cape.config import CapeConfig
+from privlm.cape.model import Cape, CapeMechanism, PreparedPrompt
+from privlm.cape.sampling import CapeBucketizedMechanism
+
+__all__ = [
+    "GUARANTEE",
+    "Cape",
+    "CapeBucketizedMechanism",
+    "CapeConfig",
+    "CapeMechanism",
+    "LogitBound",
+    "PairBound",
+    "PreparedPrompt",
+]

@@ -67,6 +67,11 @@ class CandidateVocabulary:
         index[self.candidate_ids] = torch.arange(self.size, device=self.device)
         return index
 
+    @cached_property
+    def candidate_squared_norms(self) -> torch.Tensor:
+        """(|C|,) float32 squared norms of the candidate rows, computed once (a pass over the whole table)."""
+        return self.candidate_embeddings.pow(2).sum(-1)
+
     def rows_of(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(..., d) float32 embedding rows of any token ids."""
         return self.embeddings[token_ids.to(self.device)].float()
@@ -74,9 +79,20 @@ class CandidateVocabulary:
     def distances(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(n, |C|) Euclidean distances from each token's row to every candidate row: one matrix product."""
         queries = self.rows_of(token_ids.reshape(-1))
-        table = self.candidate_embeddings
-        squared = (queries.pow(2).sum(-1, keepdim=True) + table.pow(2).sum(-1) - 2 * queries @ table.T)
-        return squared.clamp_min_(0).sqrt_()
+        return self.distances_from_products(token_ids, queries @ self.candidate_embeddings.T)
+
+    def distances_from_products(self, token_ids: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
+        """Distances from the (n, |C|) dot products q.c of the tokens' rows with the candidates' (in place):
+        sqrt(|q|^2 + |c|^2 - 2 q.c), and exactly 0 from a candidate to itself, where float32 cancellation
+        would leave about 1e-3 that varies with the shape of the product."""
+        ids = token_ids.reshape(-1).to(self.device)
+        query_norms = self.rows_of(ids).pow(2).sum(-1, keepdim=True)
+        squared = products.mul_(-2).add_(self.candidate_squared_norms).add_(query_norms)
+        distances = squared.clamp_min_(0).sqrt_()
+        index = self.candidate_index[ids]
+        rows = (index >= 0).nonzero()[:, 0]
+        distances[rows, index[rows]] = 0.0
+        return distances
 
     def token_texts(self, token_ids: torch.Tensor | list[int]) -> list[str]:
         """The surface text of each id on its own (the tokenizer's decoding of that one token)."""

@@ -1,0 +1,79 @@
+"""The logit bound B: calibrated from sample prompts, stored with the fingerprint of the model it holds for.
+
+B = the ``quantile`` of |L| over the candidate columns of the device model's logits at every position
+of the sample texts (``quantile=1``: the largest). The quantile is the inverted-CDF one: the smallest
+value v with at least a fraction ``quantile`` of the |L| at most v. A ``LogitBound`` saved by one model
+is refused by another (its ``model_fingerprint`` is the device model's ``weights_fingerprint``).
+
+B shapes utility, never privacy: clipped and rescaled logits lie in [0, 1] whatever B is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from privlm._validation import check_positive_finite
+
+FORMAT = "privlm.cape.logit-bound/1"
+
+
+@dataclass(frozen=True)
+class LogitBound:
+    """B, and where it came from."""
+
+    value: float
+    model_fingerprint: str
+    quantile: float = 1.0
+    n_texts: int = 0
+    n_logits: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "value", check_positive_finite("logit bound value", self.value))
+        check_quantile(self.quantile)
+        if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
+            raise ValueError("model_fingerprint must be a non-empty string")
+
+    def check_model(self, fingerprint: str) -> None:
+        """Refuse a bound calibrated on another model."""
+        if fingerprint != self.model_fingerprint:
+            raise ValueError(f"this logit bound was calibrated on another model (fingerprint "
+                             f"{self.model_fingerprint[:12]}..., the device model's is {fingerprint[:12]}...); "
+                             "call Cape.calibrate on this model")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps({"format": FORMAT, **asdict(self)}, indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LogitBound:
+        content = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(content, dict) or content.pop("format", None) != FORMAT:
+            raise ValueError(f"{path} is not a saved Cape logit bound ({FORMAT})")
+        try:
+            return cls(**content)
+        except TypeError as error:
+            raise ValueError(f"{path} is not a valid Cape logit bound: {error}") from None
+
+
+def check_quantile(quantile: object) -> float:
+    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
+        raise ValueError(f"quantile must be a number in (0, 1], got {quantile!r}")
+    return float(quantile)
+
+
+def bound_from_logits(magnitudes: torch.Tensor, quantile: float) -> float:
+    """The inverted-CDF ``quantile`` of a flat tensor of |logits|."""
+    n = magnitudes.numel()
+    if n == 0:
+        raise ValueError("calibration needs at least one logit")
+    k = max(1, math.ceil(quantile * n))
+    value = float(magnitudes.max()) if k == n else float(magnitudes.kthvalue(k).values)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"the calibration texts give a logit bound of {value}; B must be finite and > 0")
+    return value

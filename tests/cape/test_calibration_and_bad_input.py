@@ -1,0 +1,126 @@
+"""The logit bound B (calibrate, save, load, refuse another model's) and Cape's answers to bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from privlm.cape import Cape, LogitBound
+from tests.cape.conftest import NEIGHBOUR, PROMPT, B
+from tests.conftest import BAD_POSITIVE_REALS
+
+TEXTS = ["the cat sat on the mat .", "a dog , w3 w4 sat ."]
+
+
+def all_logit_magnitudes(lm, texts):
+    """|logits| over the candidates with every position of every text masked in turn (one pass each)."""
+    tok, values = lm.tokenizer, []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for i in range(len(ids)):
+            masked = [tok.cls_token_id, *ids, tok.sep_token_id]
+            masked[1 + i] = tok.mask_token_id
+            with torch.no_grad():
+                logits = lm.model(input_ids=torch.tensor([masked])).logits[0, 1 + i, lm.vocabulary.candidate_ids]
+            values.append(logits.abs())
+    return torch.cat(values)
+
+
+def test_calibrate_sets_b_to_a_quantile_of_the_logits(tiny_masked_lm):
+    cape = Cape(tiny_masked_lm, epsilon=1.0)
+    magnitudes = all_logit_magnitudes(tiny_masked_lm, TEXTS)
+    bound = cape.calibrate(TEXTS)
+    assert bound.value == pytest.approx(float(magnitudes.max()), rel=1e-5)
+    assert (bound.n_texts, bound.n_logits, bound.quantile) == (2, magnitudes.numel(), 1.0)
+    assert bound.model_fingerprint == tiny_masked_lm.weights_fingerprint
+    assert cape.config.logit_bound == bound.value and cape.logit_bound is bound
+    median = cape.calibrate(TEXTS, quantile=0.5)
+    expected = magnitudes.sort().values[math.ceil(0.5 * magnitudes.numel()) - 1]
+    assert median.value == pytest.approx(float(expected), rel=1e-5) and median.value < bound.value
+
+
+def test_saved_bound_loads_and_another_models_is_refused(tiny_masked_lm, tmp_path):
+    bound = Cape(tiny_masked_lm, epsilon=1.0).calibrate(TEXTS)
+    loaded = LogitBound.load(bound.save(tmp_path / "bound.json"))
+    assert loaded == bound
+    assert Cape(tiny_masked_lm, epsilon=1.0, logit_bound=loaded).config.logit_bound == bound.value
+    foreign = LogitBound(value=3.0, model_fingerprint="0" * 64)
+    with pytest.raises(ValueError, match="another model"):
+        Cape(tiny_masked_lm, epsilon=1.0, logit_bound=foreign)
+    (tmp_path / "other.json").write_text(json.dumps({"value": 3.0}))
+    with pytest.raises(ValueError, match="not a saved Cape logit bound"):
+        LogitBound.load(tmp_path / "other.json")
+
+
+def test_uncalibrated_b_is_an_error_that_says_to_calibrate(device_lm):
+    cape = Cape(device_lm, epsilon=1.0)
+    with pytest.raises(ValueError, match=r"calibrate\("):
+        cape.perturb(PROMPT)
+
+
+def test_uncalibrated_b_can_calibrate_on_first_use_with_a_warning(tiny_masked_lm):
+    cape = Cape(tiny_masked_lm, epsilon=1.0, on_uncalibrated="calibrate")
+    with pytest.warns(UserWarning, match="not calibrated"):
+        results = cape.perturb_batch(TEXTS)
+    assert cape.logit_bound.n_texts == 2 and cape.config.logit_bound == cape.logit_bound.value
+    assert all(r.report.n_perturbed > 0 for r in results)
+
+
+@pytest.mark.parametrize("bad", BAD_POSITIVE_REALS)
+def test_bad_epsilon(device_lm, bad):
+    with pytest.raises(ValueError, match="epsilon"):
+        Cape(device_lm, epsilon=bad, logit_bound=B)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "50", True])
+def test_bad_bucket_count(device_lm, bad):
+    with pytest.raises(ValueError, match="n_buckets"):
+        Cape(device_lm, epsilon=1.0, n_buckets=bad, logit_bound=B)
+
+
+@pytest.mark.parametrize("name", ["lambda_L", "lambda_D"])
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1"])
+def test_bad_lambdas(device_lm, name, bad):
+    with pytest.raises(ValueError, match=name):
+        Cape(device_lm, epsilon=1.0, logit_bound=B, **{name: bad})
+
+
+def test_both_lambdas_zero(device_lm):
+    with pytest.raises(ValueError, match="both be 0"):
+        Cape(device_lm, epsilon=1.0, lambda_L=0.0, lambda_D=0.0)
+
+
+@pytest.mark.parametrize(("name", "bad"), [("logit_bound", 0.0), ("logit_bound", float("nan")), ("batch_size", 0),
+                                           ("on_uncalibrated", "maybe")])
+def test_other_bad_parameters(device_lm, name, bad):
+    with pytest.raises(ValueError, match=name):
+        Cape(device_lm, epsilon=1.0, **{name: bad})
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, float("nan"), True])
+def test_bad_quantile(tiny_masked_lm, bad):
+    with pytest.raises(ValueError, match="quantile"):
+        Cape(tiny_masked_lm, epsilon=1.0).calibrate(TEXTS, quantile=bad)
+
+
+def test_empty_and_blank_prompts(device_lm):
+    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+    for bad in ("", "   \n", None):
+        with pytest.raises(ValueError, match="text"):
+            cape.perturb(bad)
+    with pytest.raises(ValueError, match="non-empty list"):
+        cape.perturb_batch([])
+    with pytest.raises(ValueError, match=r"texts\[1\]"):
+        cape.perturb_batch(["Alice", " "])
+
+
+def test_pair_bound_refuses_prompts_that_are_not_neighbours(device_lm):
+    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+    with pytest.raises(ValueError, match="same token count"):
+        cape.pair_bound(PROMPT, PROMPT.replace("Alice", "Alice Smith"))
+    with pytest.raises(ValueError, match="non-sensitive"):
+        cape.pair_bound(PROMPT, PROMPT.replace("lives in", "lives at"))
+    assert len(cape.pair_bound(PROMPT, NEIGHBOUR).positions) == 10
