@@ -1,4 +1,4 @@
-"""``privlm bench cape``: Cape, its ablations and the token-level baselines over epsilon."""
+"""``privlm cape perturb`` and ``privlm cape calibrate`` (private prompts), and ``privlm bench cape``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import bench_app, console, parse_levels, parse_list
+from privlm.cli.app import app, bench_app, console, parse_levels, parse_list
 
 
 @bench_app.command("cape")
@@ -68,3 +68,87 @@ def bench_cape(
     extra = sweep_entry("cape").extra_reports(out)
     console.print((out / "claims.md").read_text())
     console.print(f"Wrote {', '.join(str(f) for f in [*report.files, *extra])}")
+
+
+cape_app = typer.Typer(help="Cape: perturb a prompt on this machine before it goes to a chat API.",
+                       no_args_is_help=True)
+app.add_typer(cape_app, name="cape")
+
+
+def _prompts(path: Path) -> list[str]:
+    """One prompt per non-blank line of a UTF-8 file."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise typer.BadParameter(f"cannot read prompts from {path}: {error}") from None
+    if not lines:
+        raise typer.BadParameter(f"{path} holds no prompt (one per line)")
+    return lines
+
+
+@cape_app.command("calibrate")
+def cape_calibrate(
+    prompts: Annotated[Path, typer.Argument(help="Public sample prompts, one per line (never the ones to protect).")],
+    out: Annotated[Path, typer.Option(help="Where to write the logit bound (JSON).")] = Path("logit_bound.json"),
+    device_model: Annotated[str, typer.Option(help="smollm2, or a local causal or masked LM folder.")] = "smollm2",
+    quantile: Annotated[float, typer.Option(help="B = this quantile of |logit| over the samples.")] = 1.0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Set Cape's logit bound B from sample prompts, tied to the device model's weights."""
+    from privlm.cape import Cape
+
+    texts = _prompts(prompts)
+    try:
+        bound = Cape(device_model, epsilon=1.0, device=device).calibrate(texts, quantile=quantile)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    bound.save(out)
+    console.print(f"B = {bound.value:.4f} from {bound.n_texts} prompts ({bound.n_logits:,} logits); wrote {out}")
+
+
+@cape_app.command("perturb")
+def cape_perturb(
+    text: Annotated[str, typer.Argument(help="The prompt to perturb.")],
+    epsilon: Annotated[float, typer.Option(help="Epsilon per perturbed token (the mechanism's own scale).")] = 6.0,
+    mechanism: Annotated[str, typer.Option(help="cape, cape-distance, cape-unbucketed, santext, santext+, custext, "
+                                                "custext+, inferdpt or text2text.")] = "cape",
+    logit_bound: Annotated[Path | None, typer.Option(help="Cape's B, from `privlm cape calibrate`.")] = None,
+    device_model: Annotated[str, typer.Option(help="smollm2, or a local causal or masked LM folder.")] = "smollm2",
+    seed: Annotated[int | None, typer.Option(help="Seed for a reproducible draw (default: OS entropy).")] = None,
+    report: Annotated[bool, typer.Option("--report/--no-report", help="Print the per-token report.")] = True,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Print the perturbed prompt (what to send) and, by default, what happened to every token."""
+    from rich.table import Table
+
+    from privlm.cape import LogitBound
+    from privlm.eval.text_mechanisms import MechanismContext, build_mechanism, text_mechanism
+    from privlm.mechanisms import make_generator
+    from privlm.models.language import LanguageModel
+
+    try:
+        chosen = text_mechanism(mechanism)  # an unknown name fails before any model loads
+        if chosen.family == "cape" and chosen.options.get("lambda_L", 0.5) and logit_bound is None:
+            raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public "
+                             "sample prompts and pass --logit-bound logit_bound.json")
+        bound = LogitBound.load(logit_bound) if logit_bound is not None else None
+        model = LanguageModel.from_pretrained(device_model, device=device)
+        context = MechanismContext(device_model=model, logit_bound=bound)
+        perturber = build_mechanism(chosen.name, context, epsilon=epsilon,
+                                    generator=make_generator(seed, device=model.device))
+        result = perturber.perturb(text)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    if report:
+        table = Table("pos", "original", "what happened", "sent", "epsilon", "eps'", "K")
+        for token in result.report.tokens:
+            table.add_row(str(token.position), repr(token.original), str(token.outcome), repr(token.released),
+                          "-" if token.epsilon is None else f"{token.epsilon:g}",
+                          "-" if token.eps_prime is None else f"{token.eps_prime:.2f}",
+                          "-" if token.non_empty_buckets is None else str(token.non_empty_buckets))
+        console.print(table)
+        totals = ", ".join(f"{name} {value:.2f}" for name, value in result.report.accounting.items())
+        console.print(f"{result.report.mechanism}: |C| = {result.report.candidate_set_size:,}; per prompt: {totals}")
+        for note in result.report.notes:
+            console.print(f"note: {note}")
+    typer.echo(result.text)
