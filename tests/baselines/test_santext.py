@@ -268,7 +268,8 @@ def test_santext_plus_report_counts_kept_tokens(vocabulary):
                 assert is_frequent and record.released_id == record.original_id and record.epsilon is None
             else:
                 assert perturber.mechanism.is_sensitive(torch.tensor(record.released_id))  # outputs lie in S
-        assert report.accounting["privlm"] == pytest.approx(2.0 * report.n_perturbed)
+        # Charged before the coins: eps for every token, whatever the coins then keep.
+        assert report.accounting["privlm"] == pytest.approx(2.0 * report.n_tokens)
         kept += report.count(TokenOutcome.KEPT)
     # Each frequent token is kept with probability 1 - p, independently.
     trials = int(frequent.sum()) * len(texts)

@@ -124,3 +124,12 @@ def test_pair_bound_refuses_prompts_that_are_not_neighbours(device_lm):
     with pytest.raises(ValueError, match="non-sensitive"):
         cape.pair_bound(PROMPT, PROMPT.replace("lives in", "lives at"))
     assert len(cape.pair_bound(PROMPT, NEIGHBOUR).positions) == 10
+
+
+def test_release_refuses_utilities_prepared_by_another_cape(device_lm):
+    distance_only = Cape(device_lm, epsilon=2.0, lambda_L=0.0)
+    other = Cape(device_lm, epsilon=2.0, lambda_L=0.0, lambda_D=0.5)
+    prepared = distance_only.prepare(["My friend Alice lives in Paris."])
+    assert distance_only.release(prepared)[0].report.n_perturbed > 0
+    with pytest.raises(ValueError, match="another Cape"):
+        other.release(prepared)

@@ -29,9 +29,9 @@ A frequent input has no DP guarantee: it is released verbatim with probability 1
 that no other input can produce, and which tokens are frequent is public. The neighbouring relation
 of the per-prompt bound is therefore: same length, the same frequent tokens in the same places,
 sensitive tokens replaced by sensitive tokens; the loss is then at most eps * sum_i d(x_i, x'_i)
-over the sensitive positions. The report and the ledger charge eps (eta-token) for every token
-that went through the mechanism, sensitive or resampled frequent, as the paper counts; under the
-relation above the resampled frequent tokens cost nothing, so the charge is an upper bound.
+over the sensitive positions. The report and the ledger charge eps (eta-token) for every token of the
+prompt, before the keep-or-resample coins are drawn (so the charge reveals nothing about them); under
+the relation above the frequent tokens cost nothing, so the charge is an upper bound.
 
 Like for like: both use the device model's tokenizer, candidate set and input embeddings (Cape's).
 The paper used GloVe word vectors (and BERT's embeddings) over a vocabulary built from the task's data.

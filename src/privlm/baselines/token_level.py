@@ -4,7 +4,8 @@ A baseline says, per token, whether it is perturbed (``outcomes``) and how a per
 released (``release``: one draw per position, vectorised). The driver tokenizes with
 :func:`~privlm.models.prompts.tokenize_prompt`, charges the ledger before anything is drawn, and
 builds the text and the report of :mod:`privlm.models.perturbation`. Every token gets an outcome;
-none is dropped, and none is kept unless a rule says so and the report shows it.
+none is dropped, and none is kept unless a rule says so and the report shows it. The ledger is charged for
+a whole batch before anything is drawn, for every token that may go through the mechanism.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from privlm.accounting import Ledger
+from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models import check_texts
 from privlm.models.perturbation import (
@@ -76,27 +77,47 @@ class TokenLevelBaseline(ABC):
         return self.perturb_batch([text])[0]
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
+        """Charge the ledger for the whole batch first, then draw. A batch that would pass the budget is refused
+        whole (BudgetExhaustedError: nothing charged, nothing drawn)."""
         check_texts(texts)
-        return [self._perturb_one(tokenize_prompt(self.vocabulary.tokenizer, text, self.non_sensitive))
-                for text in texts]
+        prompts = [tokenize_prompt(self.vocabulary.tokenizer, text, self.non_sensitive) for text in texts]
+        # The charge depends only on which tokens may go through the mechanism (a public, fixed rule),
+        # never on a draw: a mechanism's own coins (SANTEXT+'s keep-or-resample) come after it.
+        accountings = [self.accounting(len(self._chargeable(prompt))) for prompt in prompts]
+        spent = self._charge([a["privlm"] if self._chargeable(p) else 0.0 for a, p in zip(accountings, prompts,
+                                                                                          strict=True)])
+        return [self._perturb_one(prompt, accounting, charged)
+                for prompt, accounting, charged in zip(prompts, accountings, spent, strict=True)]
 
-    def _perturb_one(self, prompt: PromptTokens) -> PerturbedPrompt:
+    def _chargeable(self, prompt: PromptTokens) -> list[int]:
+        """Positions that may go through the mechanism: every one the non-sensitive list does not keep."""
+        listed = TokenLevelBaseline.outcomes(self, prompt)
+        return [i for i, outcome in enumerate(listed) if outcome is not TokenOutcome.NON_SENSITIVE]
+
+    def _charge(self, totals: list[float]) -> list[float | None]:
+        if self.ledger is None:
+            return [None] * len(totals)
+        remaining = self.ledger.remaining(self.principal, self.unit)
+        if sum(totals) > remaining:
+            raise BudgetExhaustedError(principal=self.principal, unit=self.unit, budget=self.ledger.budget(self.unit),
+                                       spent=self.ledger.spent(self.principal, self.unit), requested=sum(totals))
+        for total in totals:
+            if total > 0:
+                self.ledger.spend(self.principal, Spend(self.unit, total), note=self.name)
+        return [total if total > 0 else None for total in totals]
+
+    def _perturb_one(self, prompt: PromptTokens, accounting: dict[str, float], spent: float | None) -> PerturbedPrompt:
         outcomes = self.outcomes(prompt)
         drawn = [i for i, o in enumerate(outcomes) if o in (TokenOutcome.PERTURBED, TokenOutcome.UNKNOWN)]
-        accounting = self.accounting(len(drawn))
-        spent = None
-        if self.ledger is not None and drawn:
-            # Spend first: a refused spend (BudgetExhaustedError) releases nothing.
-            self.ledger.spend(self.principal, Spend(self.unit, accounting["privlm"]), note=self.name)
-            spent = accounting["privlm"]
         released = list(prompt.ids)
         if drawn:
             ids = torch.tensor([prompt.ids[i] for i in drawn], dtype=torch.long, device=self.vocabulary.device)
             for i, token in zip(drawn, self.release(ids).tolist(), strict=True):
                 released[i] = int(token)
-        epsilon = [self.epsilon if i in set(drawn) else None for i in range(len(prompt))]
+        in_drawn = set(drawn)
+        epsilon = [self.epsilon if i in in_drawn else None for i in range(len(prompt))]
         records = token_records(prompt, self.vocabulary, released, outcomes, epsilon=epsilon)
         report = PromptReport(mechanism=self.name, tokens=records, candidate_set_size=self.vocabulary.size,
                               accounting=accounting, guarantee=self.guarantee, uncovered=prompt.uncovered,
-                              spent=spent, notes=() if drawn else (NOTHING_SPENT,))
+                              spent=spent, notes=() if self._chargeable(prompt) else (NOTHING_SPENT,))
         return PerturbedPrompt(text=released_text(self.vocabulary, released), report=report)

@@ -80,6 +80,7 @@ class PreparedPrompt:
     utilities: torch.Tensor  # (len(positions), |C|) float32, every entry in [0, Delta]
     chunks: tuple[int, ...]  # the chunk (context) each token was processed in
     n_chunks: int
+    prepared_by: tuple[object, ...] = ()  # the Cape that made it: device model, lambdas, B (release checks it)
 
 
 class Cape:
@@ -218,6 +219,7 @@ class Cape:
     def _prepare_batch(self, prompts: list[PromptTokens], bound: float | None) -> list[PreparedPrompt]:
         rows = self.utilities(prompts, bound)
         return [PreparedPrompt(tokens=p, positions=tuple(p.sensitive_positions), utilities=u,
+                               prepared_by=self._utility_key(bound),
                                chunks=tuple(chunk_of(len(p), self.room)),
                                n_chunks=max(1, math.ceil(len(p) / self.room)))
                 for p, u in zip(prompts, rows, strict=True)]
@@ -240,11 +242,27 @@ class Cape:
         a refusal by a concurrent spender mid-batch releases nothing either (earlier prompts stay charged).
         """
         mechanism = self.mechanism(epsilon)
+        self._check_prepared(prepared)
         generator = self.generator if generator is None else resolve_generator(generator, self.vocabulary.device)
         totals = [privlm_total(mechanism, p.utilities) for p in prepared]
         spent = self._charge(totals)
         return [self._release_one(p, mechanism, generator, total, charged)
                 for p, total, charged in zip(prepared, totals, spent, strict=True)]
+
+    def _utility_key(self, bound: float | None) -> tuple[object, ...]:
+        c = self.config
+        return (id(self.device_model), c.lambda_L, c.lambda_D, bound if c.uses_logits else None)
+
+    def _check_prepared(self, prepared: Sequence[PreparedPrompt]) -> None:
+        """Utilities made by this Cape (same device model and lambdas), inside [0, Delta]: what the charge assumes."""
+        mine = {self._utility_key(self.config.logit_bound)[:3]}
+        for i, p in enumerate(prepared):
+            if p.prepared_by[:3] not in mine:
+                raise ValueError(f"prepared[{i}] was prepared by another Cape (other device model or lambdas); "
+                                 "prepare it with this one")
+            if p.utilities.numel() and (p.utilities.amin().item() < 0
+                                        or p.utilities.amax().item() > self.config.sensitivity):
+                raise ValueError(f"prepared[{i}] holds utilities outside [0, {self.config.sensitivity:g}]")
 
     def _charge(self, totals: list[float]) -> list[float | None]:
         if self.ledger is None:

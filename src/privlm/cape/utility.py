@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import torch
+import transformers
 from transformers import PreTrainedTokenizerBase
 
 from privlm.models.language import LanguageModel
@@ -139,7 +140,9 @@ def candidate_columns(matrix: torch.Tensor, vocabulary: CandidateVocabulary) -> 
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """A boolean position mask as ``logits_to_keep``: transformers 5 understands it; 4.x slices with it (wrongly)."""
+    major = int(transformers.__version__.split(".", 1)[0])
+    return major >= 5 and "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -108,7 +109,8 @@ def cape_calibrate(
 
 @cape_app.command("perturb")
 def cape_perturb(
-    text: Annotated[str, typer.Argument(help="The prompt to perturb.")],
+    text: Annotated[str, typer.Argument(help="The prompt to perturb, or - to read it from standard input (then it "
+                                             "shows in neither the process list nor the shell history).")],
     epsilon: Annotated[float, typer.Option(help="Epsilon per perturbed token (the mechanism's own scale).")] = 6.0,
     mechanism: Annotated[str, typer.Option(help="cape, cape-distance, cape-unbucketed, santext, santext+, custext, "
                                                 "custext+, inferdpt or text2text.")] = "cape",
@@ -121,13 +123,17 @@ def cape_perturb(
     """Print the perturbed prompt (what to send) and, by default, what happened to every token."""
     from rich.table import Table
 
+    from privlm._validation import check_positive_finite
     from privlm.cape import LogitBound
     from privlm.eval.text_mechanisms import MechanismContext, build_mechanism, text_mechanism
     from privlm.mechanisms import make_generator
     from privlm.models.language import LanguageModel
 
+    if text == "-":
+        text = sys.stdin.read().rstrip("\n")
     try:
-        chosen = text_mechanism(mechanism)  # an unknown name fails before any model loads
+        chosen = text_mechanism(mechanism)  # bad input fails before any model loads
+        check_positive_finite("epsilon", epsilon)
         if chosen.family == "cape" and chosen.options.get("lambda_L", 0.5) and logit_bound is None:
             raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public "
                              "sample prompts and pass --logit-bound logit_bound.json")

@@ -73,7 +73,9 @@ KNN_K = 10
 NW_SAMPLES = 1000
 NW_POOL_TEXTS = 50  # N_w tokens are sampled among the sensitive tokens of the first 50 test texts
 CAPE_INT8 = Method("cape-int8", "Cape, int8 device model")
-UTILITY_METRIC, ATTACK_METRIC = "classifier_auc", "knn_success"
+# Claims and plots compare on the token set every mechanism shares (stopwords that Cape and CUSTEXT+ keep are
+# out of it), so that no mechanism is scored on easier or harder tokens than another.
+UTILITY_METRIC, ATTACK_METRIC = "classifier_auc", "knn_success_sensitive"
 
 
 def method_of(mechanism: TextMechanism) -> Method:

@@ -37,7 +37,9 @@ Z = 1.96
 UTILITIES = {"classifier_auc": "classifier AUC (MiniLM + logistic regression)",
              "zero_shot_auc": "zero-shot AUC (device model, Cape's prompt)",
              "rouge_l": "Rouge-L F1 to the original (words)", "cosine": "MiniLM cosine to the original"}
-PRIVACY = {"knn_success": "KNN top-10 attack success", "mti_success": "MTI (causal-LM stand-in) token accuracy",
+PRIVACY = {"knn_success_sensitive": "KNN top-10 attack success (tokens every mechanism perturbs)",
+           "knn_success": "KNN top-10 attack success (each mechanism's own perturbed tokens)",
+           "mti_success": "MTI (causal-LM stand-in) token accuracy",
            "retention": "retention ratio (mechanism's positions unchanged)", "nw_median": "N_w, median over tokens"}
 _CLASS_COUNTS = {"classifier_auc": ("n_positive", "n_negative"),
                  "zero_shot_auc": ("zero_shot_n_positive", "zero_shot_n_negative")}
