@@ -206,12 +206,14 @@ def test_a_cold_cache_is_a_fresh_folder_and_the_old_one_comes_back(monkeypatch):
 
 # --- the verdicts, on constructed rows ----------------------------------------------------------------
 def _curve(method: str, points: list[tuple[float, float]], *, start: float = 1.0) -> list[dict[str, object]]:
-    return [{"task": "t", "method": method, "epsilon": start + i, "knn_success": attack, "classifier_auc": auc,
+    return [{"task": "t", "method": method, "epsilon": start + i, "knn_success": attack,
+             "knn_success_sensitive": attack, "classifier_auc": auc,
              "retention": attack, "zero_shot_auc": 0.6, "rouge_l": 0.5, "cosine": 0.5, "n_positive": 500.0,
              "n_negative": 500.0} for i, (attack, auc) in enumerate(points)]
 
 
-CLEAN = [{"task": "t", "method": "non-private", "epsilon": math.inf, "knn_success": 1.0, "classifier_auc": 0.9,
+CLEAN = [{"task": "t", "method": "non-private", "epsilon": math.inf, "knn_success": 1.0,
+          "knn_success_sensitive": 1.0, "classifier_auc": 0.9,
           "retention": 1.0, "zero_shot_auc": 0.62, "zero_shot_n_positive": 50.0, "zero_shot_n_negative": 50.0}]
 CAPE = _curve("cape", [(0.1, 0.70), (0.3, 0.80), (0.5, 0.85)])
 LOWER = [(0.1, 0.60), (0.3, 0.70), (0.5, 0.75)]  # 0.1 below Cape everywhere
