@@ -24,6 +24,17 @@ def test_spends_until_the_budget_then_refuses_by_name(tmp_path):
     assert ledger.spend("bob", Spend(EPS, 10.0)).remaining == 0.0  # budgets are per principal
 
 
+def test_a_batch_of_spends_is_recorded_whole_or_not_at_all(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    receipts = ledger.spend_all("alice", [Spend(EPS, 3.0), Spend(EPS, 4.0)], note="two prompts")
+    assert [r.total for r in receipts] == [3.0, 7.0]
+    with pytest.raises(BudgetExhaustedError) as refused:
+        ledger.spend_all("alice", [Spend(EPS, 1.0), Spend(EPS, 2.5)])  # the first alone would fit
+    assert refused.value.requested == 3.5
+    assert ledger.spent("alice", EPS) == 7.0  # nothing of the refused batch was recorded
+    assert ledger.spend_all("alice", []) == []
+
+
 def test_a_restart_keeps_the_totals(tmp_path):
     Ledger(tmp_path / "ledger.db", budgets={"eta-token": 100.0}).spend("k", Spend(PrivacyUnit.ETA_TOKEN, 40.0))
     reopened = Ledger(tmp_path / "ledger.db", budgets={"eta-token": 100.0})

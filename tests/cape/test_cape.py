@@ -148,9 +148,9 @@ class RecordingLedger(Ledger):
         super().__init__(*args, **kwargs)
         self.generator, self.states = generator, []
 
-    def spend(self, principal, spend, *, note=""):
+    def spend_all(self, principal, spends, *, note=""):
         self.states.append(self.generator.get_state().clone())
-        return super().spend(principal, spend, note=note)
+        return super().spend_all(principal, spends, note=note)
 
 
 def test_ledger_is_charged_before_anything_is_drawn(device_lm, real_pair, tmp_path):

@@ -13,7 +13,7 @@ import hashlib
 import math
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,28 +98,43 @@ class Ledger:
     def spend(self, principal: str, spend: Spend, *, note: str = "") -> Receipt:
         """Atomically check and record ``spend``; raise :class:`BudgetExhaustedError` (spending nothing) if it
         would pass the budget. Call it before the release, never after."""
+        return self.spend_all(principal, [spend], note=note)[0]
+
+    def spend_all(self, principal: str, spends: Sequence[Spend], *, note: str = "") -> list[Receipt]:
+        """Check and record several spends (a batch of releases) in one transaction: all, or, if together they
+        would pass a budget, none (:class:`BudgetExhaustedError`). Call it before the releases, never after."""
         if not principal:
             raise ValueError("principal must be a non-empty id")
-        amount = spend.amount
-        if not (math.isfinite(amount) and amount >= 0):
-            raise ValueError(f"spend amount must be finite and >= 0, got {amount}")
-        unit = PrivacyUnit(spend.unit)
-        budget = self.budget(unit)
+        for spend in spends:
+            if not (math.isfinite(spend.amount) and spend.amount >= 0):
+                raise ValueError(f"spend amount must be finite and >= 0, got {spend.amount}")
+        budgets = {PrivacyUnit(s.unit): self.budget(PrivacyUnit(s.unit)) for s in spends}
+        receipts = []
         with self._connection() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                row = db.execute("SELECT spent FROM totals WHERE principal = ? AND unit = ?",
-                                 (principal, unit.value)).fetchone()
-                spent = float(row[0]) if row else 0.0
-                if spent + amount > budget:
-                    raise BudgetExhaustedError(principal=principal, unit=unit, budget=budget, spent=spent,
-                                          requested=amount)
-                db.execute("INSERT INTO totals VALUES (?, ?, ?) ON CONFLICT (principal, unit) "
-                           "DO UPDATE SET spent = spent + excluded.spent", (principal, unit.value, amount))
-                db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) VALUES (?, ?, ?, ?, ?)",
-                           (principal, unit.value, amount, time.time(), note[:200]))
+                totals = {unit: self._total(db, principal, unit) for unit in budgets}
+                for spend in spends:
+                    unit = PrivacyUnit(spend.unit)
+                    if totals[unit] + spend.amount > budgets[unit]:
+                        raise BudgetExhaustedError(principal=principal, unit=unit, budget=budgets[unit],
+                                                   spent=self._total(db, principal, unit),
+                                                   requested=sum(s.amount for s in spends if s.unit == unit))
+                    totals[unit] += spend.amount
+                    db.execute("INSERT INTO totals VALUES (?, ?, ?) ON CONFLICT (principal, unit) "
+                               "DO UPDATE SET spent = spent + excluded.spent", (principal, unit.value, spend.amount))
+                    db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) VALUES (?, ?, ?, ?, ?)",
+                               (principal, unit.value, spend.amount, time.time(), note[:200]))
+                    receipts.append(Receipt(principal=principal, spend=Spend(unit, spend.amount), total=totals[unit],
+                                            budget=budgets[unit]))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return Receipt(principal=principal, spend=Spend(unit, amount), total=spent + amount, budget=budget)
+        return receipts
+
+    @staticmethod
+    def _total(db: sqlite3.Connection, principal: str, unit: PrivacyUnit) -> float:
+        row = db.execute("SELECT spent FROM totals WHERE principal = ? AND unit = ?",
+                         (principal, unit.value)).fetchone()
+        return float(row[0]) if row else 0.0

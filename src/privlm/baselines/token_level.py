@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from privlm.accounting import BudgetExhaustedError, Ledger
+from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models import check_texts
 from privlm.models.perturbation import (
@@ -95,15 +95,10 @@ class TokenLevelBaseline(ABC):
         return [i for i, outcome in enumerate(listed) if outcome is not TokenOutcome.NON_SENSITIVE]
 
     def _charge(self, totals: list[float]) -> list[float | None]:
+        """Charge every prompt's total in one ledger transaction: all, or none (BudgetExhaustedError)."""
         if self.ledger is None:
             return [None] * len(totals)
-        remaining = self.ledger.remaining(self.principal, self.unit)
-        if sum(totals) > remaining:
-            raise BudgetExhaustedError(principal=self.principal, unit=self.unit, budget=self.ledger.budget(self.unit),
-                                       spent=self.ledger.spent(self.principal, self.unit), requested=sum(totals))
-        for total in totals:
-            if total > 0:
-                self.ledger.spend(self.principal, Spend(self.unit, total), note=self.name)
+        self.ledger.spend_all(self.principal, [Spend(self.unit, t) for t in totals if t > 0], note=self.name)
         return [total if total > 0 else None for total in totals]
 
     def _perturb_one(self, prompt: PromptTokens, accounting: dict[str, float], spent: float | None) -> PerturbedPrompt:

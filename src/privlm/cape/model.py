@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from privlm.accounting import BudgetExhaustedError, Ledger
+from privlm.accounting import Ledger
 from privlm.cape.accounting import (
     GUARANTEE,
     PAPER,
@@ -237,9 +237,9 @@ class Cape:
                 generator: torch.Generator | None = None) -> list[PerturbedPrompt]:
         """Charge the ledger for every prompt, then draw and report; ``epsilon`` overrides the configured one.
 
-        The ledger is charged each prompt's "privlm" total before anything is drawn. A batch whose total
-        passes the remaining budget is refused whole (BudgetExhaustedError, nothing charged or released);
-        a refusal by a concurrent spender mid-batch releases nothing either (earlier prompts stay charged).
+        The ledger is charged each prompt's "privlm" total before anything is drawn, in one transaction: a batch
+        whose total passes the remaining budget is refused whole (BudgetExhaustedError, nothing charged or
+        released), concurrent spenders included.
         """
         mechanism = self.mechanism(epsilon)
         self._check_prepared(prepared)
@@ -265,16 +265,10 @@ class Cape:
                 raise ValueError(f"prepared[{i}] holds utilities outside [0, {self.config.sensitivity:g}]")
 
     def _charge(self, totals: list[float]) -> list[float | None]:
+        """Charge every prompt's total in one ledger transaction: all, or none (BudgetExhaustedError)."""
         if self.ledger is None:
             return [None] * len(totals)
-        unit = PrivacyUnit.EPSILON
-        remaining = self.ledger.remaining(self.principal, unit)
-        if sum(totals) > remaining:
-            raise BudgetExhaustedError(principal=self.principal, unit=unit, budget=self.ledger.budget(unit),
-                                       spent=self.ledger.spent(self.principal, unit), requested=sum(totals))
-        for total in totals:
-            if total > 0:
-                self.ledger.spend(self.principal, Spend(unit, total), note=self.name)
+        self.ledger.spend_all(self.principal, [Spend(PrivacyUnit.EPSILON, t) for t in totals if t > 0], note=self.name)
         return [total if total > 0 else None for total in totals]
 
     def _draw(self, mechanism: CapeMechanism, utility: torch.Tensor,
