@@ -78,7 +78,6 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Self
 
 import numpy as np
 import torch
@@ -90,7 +89,6 @@ from privlm.baselines.santext import check_token_ids, distance_rows, draws_shape
 from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.mechanisms import OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import resolve_generator
-from privlm.models.language import LanguageModel
 from privlm.models.vocabulary import CandidateVocabulary
 
 FINE_GRID = 2**16  # points of the numerical law of r^2
@@ -485,11 +483,6 @@ class InferDPT(TokenLevelBaseline):
                  ledger: Ledger | None = None, principal: str = "local") -> None:
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
         self.mechanism = InferDPTMechanism(vocabulary, self.epsilon)
-
-    @classmethod
-    def from_model(cls, model: LanguageModel, **options: Any) -> Self:
-        """On the device model's candidate vocabulary (the same as Cape's)."""
-        return cls(model.vocabulary, **options)
 
     def per_token_cost(self) -> float:
         return self.mechanism.per_token_bound

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Self
 
 import torch
 
@@ -57,7 +56,6 @@ from privlm.baselines.frequency import check_fraction, least_frequent
 from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.mechanisms import OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import resolve_generator
-from privlm.models.language import LanguageModel
 from privlm.models.perturbation import TokenOutcome
 from privlm.models.prompts import PromptTokens
 from privlm.models.vocabulary import CandidateVocabulary
@@ -318,11 +316,6 @@ class SanText(TokenLevelBaseline):
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
         self.mechanism = SanTextMechanism(vocabulary, self.epsilon)
 
-    @classmethod
-    def from_model(cls, model: LanguageModel, **options: Any) -> Self:
-        """On the device model's candidate vocabulary (the same as Cape's)."""
-        return cls(model.vocabulary, **options)
-
     def release(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]
 
@@ -344,11 +337,6 @@ class SanTextPlus(TokenLevelBaseline):
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
         self.w = w
         self.mechanism = SanTextPlusMechanism.from_frequencies(vocabulary, self.epsilon, w=w, p=p)
-
-    @classmethod
-    def from_model(cls, model: LanguageModel, **options: Any) -> Self:
-        """On the device model's candidate vocabulary (the same as Cape's)."""
-        return cls(model.vocabulary, **options)
 
     def outcomes(self, prompt: PromptTokens) -> list[TokenOutcome]:
         """PERTURBED (UNKNOWN) for sensitive and resampled frequent tokens; KEPT for frequent ones not resampled."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any, Self
 
 import torch
 
 from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models import check_texts
+from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
     NOTHING_SPENT,
     PerturbedPrompt,
@@ -47,6 +49,11 @@ class TokenLevelBaseline(ABC):
         self.non_sensitive = non_sensitive  # None: every token is perturbed
         self.generator = generator or make_generator(device=vocabulary.device)
         self.ledger, self.principal = ledger, principal
+
+    @classmethod
+    def from_model(cls, model: LanguageModel, **options: Any) -> Self:
+        """On the device model's candidate vocabulary (the same as Cape's)."""
+        return cls(model.vocabulary, **options)
 
     @property
     def vocabulary(self) -> CandidateVocabulary:
