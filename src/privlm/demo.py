@@ -6,14 +6,19 @@
 3. Cape: one prompt before and after, with its per-token report and what it cost (on SmolLM2).
 4. Split-N-Denoise in-process: private sentence embeddings, with and without the shipped denoiser.
 5. Split-N-Denoise as a service: ``privlm serve`` and ``privlm gateway`` on localhost, the client
-   SDK, and one OpenAI-format request through the gateway (plain httpx: the demo needs nothing from
-   the dev extra; any OpenAI client works the same way).
+   SDK, and one OpenAI-format request through the gateway.
+6. Private chat through the same gateway: a prompt with personal details sent with the ``openai`` client
+   (plain httpx where ``openai`` is not installed: the demo needs nothing from the dev extra) to
+   ``privlm serve-llm``, a local SmolLM2 chat server; what the upstream received, the report and its answer.
 """
 
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -40,6 +45,12 @@ SND_SENTENCES = ["I absolutely love my new phone, the camera is stunning.",
                  "The delivery was late and the support team never answered.",
                  "Driverless cars will change how cities are planned."]
 SND_ETA = 50.0
+CHAT_PROMPT = ("I am Maria Gonzalez, 34, from Seattle. My doctor says my asthma is getting worse. "
+               "What should I ask her at my next appointment?")
+CHAT_MAX_TOKENS = 48
+
+if TYPE_CHECKING:
+    from privlm.cape import LogitBound
 
 
 @dataclass
@@ -73,8 +84,8 @@ def inversion_at(model: SplitModel, sentence: str, eta: float, generator: torch.
                         success_rate=success, cosine_to_clean=cosine)
 
 
-def cape_section(console: Console, generator: torch.Generator) -> None:
-    """One prompt before and after Cape on the packaged SmolLM2, with its per-token report."""
+def cape_section(console: Console, generator: torch.Generator) -> LogitBound:
+    """One prompt before and after Cape on the packaged SmolLM2, with its per-token report; B for the gateway."""
     from privlm.cape import Cape
 
     console.print(f"[bold]2. Cape: a private prompt[/bold]  prompt: {PROMPT!r}")
@@ -99,6 +110,7 @@ def cape_section(console: Console, generator: torch.Generator) -> None:
                   f"ln |C| per perturbed token, composed over the {report.n_perturbed} perturbed tokens because each "
                   f"one's context holds the others); the paper's accounting (eps + eps' per token) would say "
                   f"{report.accounting['paper']:.1f}. See docs/cape.md.\n")
+    return bound
 
 
 def run(console: Console | None = None, *, seed: int | None = None) -> list[InversionRow]:
@@ -119,9 +131,9 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
     console.print("Strong privacy (eta = 25): the nearest-neighbour attack recovers almost nothing. "
                   "Weak privacy (eta = 200): it reads the sentence back.\n")
 
-    cape_section(console, generator)
+    bound = cape_section(console, generator)
     snd_section(console, model, generator)
-    service_section(console, model, generator)
+    service_section(console, model, generator, bound)
     return rows
 
 
@@ -139,16 +151,18 @@ def snd_section(console: Console, model: SplitModel, generator: torch.Generator)
     console.print(table)
 
 
-def service_section(console: Console, model: SplitModel, generator: torch.Generator) -> None:
+def service_section(console: Console, model: SplitModel, generator: torch.Generator, bound: LogitBound) -> None:
     import httpx
 
     from privlm.snd import Client
 
-    server_port, gateway_port = free_port(), free_port()
+    server_port, gateway_port, llm_port = free_port(), free_port(), free_port()
     server_url, gateway_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
+    llm_url = f"http://127.0.0.1:{llm_port}"
     console.print(f"\n[bold]4. SnD as a service[/bold]: `privlm serve` on {server_url}, client SDK, "
                   f"`privlm gateway` on {gateway_url}")
     processes: list[subprocess.Popen[bytes]] = []
+    scratch = tempfile.TemporaryDirectory(prefix="privlm-demo-")
     try:
         with console.status("Starting privlm serve..."):
             processes.append(start_privlm(["serve", "--port", str(server_port)], f"{server_url}/health"))
@@ -169,9 +183,13 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
             table.add_row(text, f"{float(e_n[i] @ clean[i]):.3f}", f"{float(denoised[i] @ clean[i]):.3f}",
                           f"{hits:.0%} of tokens")
         console.print(table)
-        with console.status("Starting privlm gateway..."):
-            processes.append(start_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", "--port",
-                                     str(gateway_port)], f"{gateway_url}/health"))
+        with console.status("Starting privlm serve-llm (the local chat upstream) and privlm gateway..."):
+            processes.append(start_privlm(["serve-llm", "--port", str(llm_port)], f"{llm_url}/health"))
+            bound_file = bound.save(Path(scratch.name) / "logit_bound.json")
+            processes.append(start_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}",
+                                           "--chat-upstream", llm_url, "--epsilon", f"{CAPE_EPSILON:g}",
+                                           "--logit-bound", str(bound_file), "--port", str(gateway_port)],
+                                          f"{gateway_url}/health"))
         response = httpx.post(f"{gateway_url}/v1/embeddings", timeout=60,
                               json={"model": "privlm-snd-minilm", "input": [SND_SENTENCES[0]]})
         response.raise_for_status()
@@ -180,6 +198,45 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
         console.print(f"OpenAI-format request -> gateway -> private round trip: {len(vector)}-d embedding, "
                       f"cos to the non-private one {float(vector @ clean[0]):.3f}, "
                       f"{answer['usage']['prompt_tokens']} tokens, eta {response.headers['x-privlm-eta']} per token")
+        chat_section(console, gateway_url)
     finally:
         stop(*processes)
-        console.print("Server and gateway stopped.")
+        scratch.cleanup()
+        console.print("Servers and gateway stopped.")
+
+
+def chat_section(console: Console, gateway_url: str) -> None:
+    """One chat request through the gateway to serve-llm: what crossed, what it cost, and the answer."""
+    console.print(f"\n[bold]5. Private chat[/bold]: the same gateway, `POST /v1/chat/completions`, to `privlm "
+                  f"serve-llm` (SmolLM2 as a stand-in for OpenAI, vLLM or Ollama)\nprompt: {CHAT_PROMPT!r}")
+    with console.status("Perturbing the prompt with Cape, then asking the upstream..."):
+        answer, headers, client_name = _chat(gateway_url, CHAT_PROMPT)
+    report = answer["privlm"]
+    console.print(f"client: {client_name}; the upstream received: {report['texts'][0]['sent']!r}")
+    console.print(f"report (x-privlm-* headers): mechanism {headers['x-privlm-mechanism']}, epsilon "
+                  f"{headers['x-privlm-epsilon']} per token, {headers['x-privlm-tokens-perturbed']} of "
+                  f"{headers['x-privlm-tokens']} tokens perturbed, {float(headers['x-privlm-epsilon-spent']):.1f} "
+                  "spent (privlm's sound bound)")
+    console.print(f"the upstream's answer (to the perturbed prompt, unchanged): "
+                  f"{answer['choices'][0]['message']['content']!r}")
+
+
+def _chat(gateway_url: str, prompt: str) -> tuple[dict[str, Any], dict[str, str], str]:
+    """The chat call (greedy, with the report in the body) with the ``openai`` client where it is installed, else
+    plain httpx (the same request)."""
+    model, messages = "smollm2-135m-instruct", [{"role": "user", "content": prompt}]
+    try:
+        import openai
+    except ImportError:
+        import httpx
+
+        response = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=300,
+                              json={"model": model, "messages": messages, "max_tokens": CHAT_MAX_TOKENS,
+                                    "temperature": 0.0, "privlm": {"report": True}})
+        response.raise_for_status()
+        return response.json(), dict(response.headers), "httpx (openai is not installed)"
+    client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=CHAT_MAX_TOKENS, temperature=0.0,
+        extra_body={"privlm": {"report": True}})
+    return raw.parse().model_dump(), dict(raw.headers), "openai"

@@ -1,5 +1,5 @@
-"""SnD's commands: ``privlm snd train``, ``privlm serve``, ``privlm gateway``, ``privlm bench snd`` and
-``privlm bench serve``."""
+"""SnD's commands: ``privlm snd train``, ``privlm serve``, ``privlm bench snd`` and ``privlm bench serve``; and
+the options every service command shares (``privlm gateway`` is in :mod:`privlm.cli.gateway`)."""
 
 from __future__ import annotations
 
@@ -258,62 +258,6 @@ def _serve_with_ray(*, model: str, host: str, port: int, api_keys: list[str] | t
                                   max_wait_ms=max_wait_ms, device="cpu" if device == "auto" else device,
                                   service=service)
     run_blocking(application, host=host, port=port, name="privlm-snd", address=address)
-
-
-@app.command()
-def gateway(
-    server: Annotated[str, typer.Option(help="Base URL of a remote `privlm serve`.")],
-    eta: Annotated[float, typer.Option(help="Privacy level: eta * d_chi-privacy per token.")],
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8001,
-    server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server. Other users see it in the "
-                                                            "process list: prefer --server-api-key-file or "
-                                                            "$PRIVLM_SERVER_API_KEY.")] = None,
-    server_api_key_file: Annotated[Path | None, typer.Option(help="File holding the key for the remote server "
-                                                                  "(one line; # comments).")] = None,
-    api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable); prefer "
-                                                           "--api-key-file or $PRIVLM_GATEWAY_API_KEYS (commas or "
-                                                           "newlines). No key from any of them: open.")] = None,
-    api_key_file: Annotated[Path | None, typer.Option(help="File of keys this gateway accepts, one per line "
-                                                           "(# comments).")] = None,
-    denoiser: Annotated[str, typer.Option(help="auto, a denoiser name from the bundle, or none.")] = "auto",
-    truncate: Annotated[bool, typer.Option("--truncate", help="Cut over-long texts instead of refusing them.")] = False,
-    max_request_tokens: Annotated[int, typer.Option(help="Most tokens one request may carry (OpenAI's cap by "
-                                                         "default).")] = 300_000,
-    budget: Annotated[float | None, typer.Option(help="Privacy budget per API key, in eta-tokens (eta summed over "
-                                                      "every token row released); none: unlimited.")] = None,
-    ledger: Annotated[Path | None, typer.Option(help="SQLite ledger of the budget (default: one per server model, "
-                                                     "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
-    max_in_flight: MaxInFlightOption = 32,
-    docs: DocsOption = False,
-    allow_keyless: AllowKeylessOption = False,
-) -> None:
-    """A local OpenAI-compatible /v1/embeddings that makes every request a private SnD round trip."""
-    from privlm.accounting import Ledger
-    from privlm.mechanisms import PrivacyUnit
-    from privlm.models.sources import cache_dir
-    from privlm.service import run_service
-    from privlm.service.auth import GATEWAY_API_KEYS_ENV
-    from privlm.snd import Client
-    from privlm.snd.service.gateway import create_gateway
-
-    keys = _load_keys(api_key, api_key_file, GATEWAY_API_KEYS_ENV)
-    service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
-                               max_in_flight=max_in_flight)
-    server_key = _load_server_key(server_api_key, server_api_key_file)
-    if budget is not None and not (budget > 0 and budget != float("inf")):
-        raise typer.BadParameter(f"must be finite and > 0, got {budget}", param_hint="--budget")
-    if ledger is not None and budget is None:
-        raise typer.BadParameter("a ledger needs a budget", param_hint="--budget")
-    client = Client(server, eta=eta, api_key=server_key, denoiser=None if denoiser == "none" else denoiser)
-    if budget is not None:
-        # One ledger per embedding space by default: eta-tokens of different models bound different distances.
-        path = ledger or cache_dir() / f"ledger-snd-{client.model.fingerprint[:16]}.sqlite"
-        client.ledger = Ledger(path, budgets={PrivacyUnit.ETA_TOKEN: budget})
-        shared = "" if keys else " (no --api-key: every caller shares one budget)"
-        console.print(f"Budget: {budget:g} eta-tokens per API key{shared}, ledger {path}")
-    run_service(create_gateway(client, api_keys=keys, truncate=truncate, max_request_tokens=max_request_tokens,
-                               **service), host=host, port=port)
 
 
 def _service_options(*, host: str, keys: tuple[str, ...], allow_keyless: bool, docs: bool,

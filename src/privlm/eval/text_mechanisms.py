@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from privlm.accounting import Ledger
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import TextPerturber
 from privlm.models.vocabulary import CandidateVocabulary
@@ -53,7 +54,7 @@ class MechanismContext:
         return self.device_model.vocabulary
 
 
-Factory = Callable[[MechanismContext, float, torch.Generator | None], TextPerturber]
+Factory = Callable[[MechanismContext, float, torch.Generator | None, Ledger | None, str], TextPerturber]
 
 
 @dataclass(frozen=True)
@@ -75,26 +76,30 @@ class TextMechanism:
     def key(self) -> str:
         return self.name.replace("+", "-plus")
 
-    def build(self, context: MechanismContext, *, epsilon: float,
-              generator: torch.Generator | None = None) -> TextPerturber:
-        return self.factory(context, epsilon, generator)
+    def build(self, context: MechanismContext, *, epsilon: float, generator: torch.Generator | None = None,
+              ledger: Ledger | None = None, principal: str = "local") -> TextPerturber:
+        """``ledger``: charged under ``principal`` before every release (None: nothing recorded)."""
+        return self.factory(context, epsilon, generator, ledger, principal)
 
 
 def _cape_factory(name: str, **options: Any) -> Factory:
-    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None) -> TextPerturber:
+    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
+              principal: str) -> TextPerturber:
         from privlm.cape import Cape
 
         cape = Cape(context.device_model, epsilon=epsilon, logit_bound=context.logit_bound, generator=generator,
-                    **options)
+                    ledger=ledger, principal=principal, **options)
         cape.name = name  # reports and ledger notes name the variant
         return cape
     return build
 
 
 def _baseline_factory(module: str, class_name: str, **options: Any) -> Factory:
-    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None) -> TextPerturber:
+    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
+              principal: str) -> TextPerturber:
         cls = getattr(importlib.import_module(f"privlm.baselines.{module}"), class_name)
-        perturber: TextPerturber = cls(context.vocabulary, epsilon=epsilon, generator=generator, **options)
+        perturber: TextPerturber = cls(context.vocabulary, epsilon=epsilon, generator=generator, ledger=ledger,
+                                       principal=principal, **options)
         return perturber
     return build
 
@@ -146,7 +151,9 @@ def text_mechanisms(names: Iterable[str]) -> tuple[TextMechanism, ...]:
     return found
 
 
-def build_mechanism(name: str, context: MechanismContext, *, epsilon: float,
-                    generator: torch.Generator | None = None) -> TextPerturber:
-    """A fresh perturber ``name`` at ``epsilon``, on ``context``'s device model (see the module doc)."""
-    return text_mechanism(name).build(context, epsilon=epsilon, generator=generator)
+def build_mechanism(name: str, context: MechanismContext, *, epsilon: float, generator: torch.Generator | None = None,
+                    ledger: Ledger | None = None, principal: str = "local") -> TextPerturber:
+    """A fresh perturber ``name`` at ``epsilon``, on ``context``'s device model (see the module doc), charging
+    ``ledger`` under ``principal`` when given."""
+    return text_mechanism(name).build(context, epsilon=epsilon, generator=generator, ledger=ledger,
+                                      principal=principal)

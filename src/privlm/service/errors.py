@@ -59,4 +59,5 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (408, "Request body too slow"), (413, "Request too large"), (415, "Unsupported content type"),
         (422, "Malformed payload"),
         (429, "Privacy budget exhausted, or too many requests in flight for one caller"),
-        (502, "Upstream failed"), (503, "Busy: retry after a second"))}
+        (502, "Upstream failed or unreachable"), (503, "Busy: retry after a second"),
+        (504, "Upstream timed out"))}

@@ -18,6 +18,7 @@ import base64
 import json
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal, Unpack
 
 import numpy as np
@@ -134,6 +135,15 @@ def _upstream_failure(error: Exception) -> ServiceError:
                         code="upstream_failed")
 
 
+@dataclass(frozen=True)
+class EmbeddingsRoutes:
+    """The embeddings endpoint of a gateway: its router, the model it offers, and its facts for ``/health``."""
+
+    router: APIRouter
+    offered: list[ModelEntry]
+    health: dict[str, object]
+
+
 def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: int = 2048,
                    max_request_tokens: int = MAX_REQUEST_TOKENS, truncate: bool = False,
                    max_request_bytes: int = MAX_REQUEST_BYTES,
@@ -148,6 +158,17 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
     no content tokens at all, are listed in ``x-privlm-unknown-tokens`` and ``x-privlm-no-content``.
     """
     auth = BearerKeys(api_keys)
+    routes = embeddings_routes(client, auth=auth, max_inputs=max_inputs, max_request_tokens=max_request_tokens,
+                               truncate=truncate, max_concurrent_batches=max_concurrent_batches)
+    return create_service_app(title="privlm gateway (OpenAI-compatible embeddings)",
+                              routers=[routes.router, catalog_router(routes.offered)], auth=auth,
+                              max_request_bytes=max_request_bytes, health=lambda: routes.health, **service)
+
+
+def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 2048,
+                      max_request_tokens: int = MAX_REQUEST_TOKENS, truncate: bool = False,
+                      max_concurrent_batches: int = MAX_CONCURRENT_BATCHES) -> EmbeddingsRoutes:
+    """``POST /v1/embeddings`` around ``client``, behind ``auth`` (see :func:`create_gateway`)."""
     check_positive_int("max_inputs", max_inputs)
     check_positive_int("max_request_tokens", max_request_tokens)
     model_id = f"privlm-snd-{public_model_name(str(client.model.name))}"
@@ -227,7 +248,4 @@ def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: 
                 responses={200: {"model": EmbeddingList, "description": "Private embeddings, in input order",
                                  "headers": _PRIVACY_HEADERS}})(embeddings)
 
-    return create_service_app(title="privlm gateway (OpenAI-compatible embeddings)",
-                              routers=[router, catalog_router(offered)], auth=auth,
-                              max_request_bytes=max_request_bytes,
-                              health=lambda: {"model": model_id, "eta": client.eta}, **service)
+    return EmbeddingsRoutes(router=router, offered=offered, health={"model": model_id, "eta": client.eta})

@@ -1,0 +1,318 @@
+"""``POST /v1/chat/completions`` behind Cape: an OpenAI-compatible chat endpoint that perturbs prompts before
+they leave, for any OpenAI-compatible upstream (OpenAI, vLLM, Ollama, llama.cpp, ``privlm serve-llm``).
+
+One request:
+  1. validate it (:class:`~privlm.service.chat.ChatCompletionRequest`); the epsilon it may lower; its texts to
+     perturb (:mod:`privlm.cape.service.messages`) and their length;
+  2. perturb them all in one call (:class:`~privlm.cape.service.privacy.PromptPrivacy`): a fresh perturber and
+     generator for this request, the caller's budget charged before any draw (429 when exhausted), and any
+     failure fails closed (nothing is forwarded);
+  3. forward the request with the perturbed texts, and nothing else changed but privlm's own ``privlm`` field
+     removed; the upstream's answer comes back as it is, streamed chunk by chunk when asked for (perturbation
+     happens before the call: nothing is held back), with the privacy report in ``x-privlm-*`` headers.
+
+Optional: the report in the body as well (a ``privlm`` field; in a stream, one event before the upstream's,
+with empty ``choices``), and a response-side extraction by a local model (:mod:`privlm.cape.service.extraction`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Unpack
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from privlm.cape.service.extraction import AnswerExtractor, collect_stream
+from privlm.cape.service.messages import NonTextParts, TextSlot, text_slots, with_texts
+from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
+from privlm.service import BearerKeys, FairScheduler, ModelEntry, ServiceError, ServiceOptions, catalog_router
+from privlm.service import create_service_app as _create_service_app
+from privlm.service.audit import AuditLog
+from privlm.service.chat import (
+    SSE_DONE,
+    SSE_EVENT_SCHEMA,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    completion_id,
+    now,
+    sse_event,
+)
+from privlm.service.upstream import ChatUpstream, UpstreamAnswer, passed_headers, upstream_error
+
+MAX_REQUEST_BYTES = 4 * 2**20
+UPSTREAM_PATH = "chat/completions"
+
+
+class PrivlmOptions(BaseModel):
+    """privlm's own request field (removed before forwarding)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `true` is not epsilon 1, `0` not False
+    epsilon: float | None = Field(None, gt=0, description="A lower epsilon per token for this request (never higher).")
+    report: bool = Field(False, description="Also put the privacy report in the body (a `privlm` field).")
+
+
+class PrivateChatRequest(ChatCompletionRequest):
+    privlm: PrivlmOptions | None = None
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """``perturb_system``: also perturb system and developer messages. ``non_text_parts``: refuse (400) or pass
+    through unchanged the non-text parts of perturbed messages. ``report_in_body``: the ``privlm`` body field
+    on every answer (else only when a request asks for it)."""
+
+    perturb_system: bool = False
+    non_text_parts: NonTextParts = "refuse"
+    report_in_body: bool = False
+
+
+def _header(description: str) -> dict[str, object]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
+PRIVACY_HEADERS = {
+    "x-privlm-request-id": _header("This request's id (as in the audit log)."),
+    "x-privlm-mechanism": _header("The mechanism that perturbed the prompt (cape by default)."),
+    "x-privlm-epsilon": _header("Epsilon per perturbed token, on the mechanism's own scale."),
+    "x-privlm-epsilon-spent": _header("The request's sound privacy loss (privlm's accounting): what the ledger was "
+                                      "charged."),
+    "x-privlm-tokens": _header("Tokens in the perturbed texts."),
+    "x-privlm-tokens-perturbed": _header("Tokens that went through the mechanism (the others are stopwords and "
+                                         "punctuation, sent unchanged)."),
+    "x-privlm-budget-remaining": _header("With a ledger: the caller's budget left."),
+}
+
+
+def privacy_headers(result: PrivateTexts, request_id: str) -> dict[str, str]:
+    headers = {"x-privlm-request-id": request_id, "x-privlm-mechanism": result.mechanism,
+               "x-privlm-epsilon": f"{result.epsilon:g}", "x-privlm-epsilon-spent": f"{result.spent:.6g}",
+               "x-privlm-tokens": str(result.tokens), "x-privlm-tokens-perturbed": str(result.tokens_perturbed)}
+    if result.budget_remaining is not None:
+        headers["x-privlm-budget-remaining"] = f"{result.budget_remaining:.6g}"
+    return headers
+
+
+def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str) -> dict[str, Any]:
+    """The body's ``privlm`` field: the numbers of the headers, and each text as it was sent."""
+    texts = []
+    for slot, sent, report in zip(slots, result.texts, result.reports, strict=True):
+        texts.append({"message": slot.message, "part": slot.part, "role": slot.role, "sent": sent,
+                      "tokens": 0 if report is None else report.n_tokens,
+                      "tokens_perturbed": 0 if report is None else report.n_perturbed,
+                      "tokens_changed": 0 if report is None else report.n_changed,
+                      "epsilon_spent": 0.0 if report is None else report.accounting.get("privlm", 0.0)})
+    return {"request_id": request_id, "mechanism": result.mechanism, "epsilon": result.epsilon,
+            "epsilon_spent": result.spent, "epsilon_paper": result.paper_total, "unit": str(result.unit),
+            "tokens": result.tokens, "tokens_perturbed": result.tokens_perturbed,
+            "budget_remaining": result.budget_remaining, "texts": texts,
+            "guarantee": next((r.guarantee for r in result.reports if r is not None), None)}
+
+
+def audit_record(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str, principal: str,
+                 model: str, stream: bool) -> dict[str, Any]:
+    """What the audit log keeps of a release: the perturbed texts and the report, never an original."""
+    report = privacy_report(result, slots, request_id)
+    return {**report, "principal": principal, "model": model, "stream": stream, "endpoint": "chat.completions"}
+
+
+class _Call:
+    """One request's private state: its id, principal, perturbed texts and options. Nothing outlives it."""
+
+    def __init__(self, request: PrivateChatRequest, principal: str, result: PrivateTexts, slots: list[TextSlot],
+                 report_in_body: bool) -> None:
+        self.request, self.principal, self.result, self.slots = request, principal, result, slots
+        self.id = f"privlm-{uuid.uuid4().hex[:16]}"
+        options = request.privlm
+        self.report = report_in_body or bool(options and options.report)
+        self.headers = privacy_headers(result, self.id)
+
+    def body(self) -> dict[str, Any]:
+        """The request to forward: the perturbed texts in place, privlm's field removed, nothing else changed."""
+        sent = self.request.model_dump(mode="json", exclude_unset=True, exclude={"privlm"})
+        return with_texts(sent, self.slots, self.result.texts)
+
+    def report_field(self) -> dict[str, Any]:
+        return privacy_report(self.result, self.slots, self.id)
+
+    def user_prompt(self) -> str:
+        """The user's own words, for the local extraction (stays on this machine)."""
+        return "\n\n".join(m.content if isinstance(m.content, str) else
+                           "\n".join(getattr(p, "text", "") for p in m.content)
+                           for m in self.request.messages if m.role == "user" and m.content)
+
+
+def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerKeys,
+                options: ChatOptions = ChatOptions(), audit: AuditLog | None = None,
+                extractor: AnswerExtractor | None = None) -> APIRouter:
+    """The private ``POST /v1/chat/completions`` (see the module doc)."""
+    router = APIRouter(tags=["chat"])
+    perturbing = FairScheduler(1)  # one forward pass at a time on the device model, callers taking turns
+
+    async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: str | None
+                        ) -> tuple[PrivateTexts, list[TextSlot]]:
+        requested = request.privlm.epsilon if request.privlm and request.privlm.epsilon is not None else None
+        param = "privlm.epsilon"
+        if requested is None and header_epsilon is not None:
+            param = "x-privlm-epsilon"
+            try:
+                requested = float(header_epsilon)
+            except ValueError:
+                raise ServiceError(400, "the x-privlm-epsilon header must be a number", param=param,
+                                   code="invalid_epsilon") from None
+        epsilon = privacy.resolve_epsilon(requested, param=param)
+        found = text_slots(request, perturb_system=options.perturb_system, non_text_parts=options.non_text_parts)
+        slots, texts = [slot for slot, _ in found], [text for _, text in found]
+        privacy.check_lengths(texts)
+        caller = principal if not auth.open else f"request-{uuid.uuid4()}"
+        async with perturbing.turn(caller):
+            result = await asyncio.to_thread(privacy.privatize, texts, principal=principal, epsilon=epsilon)
+        return result, slots
+
+    async def chat_completions(request: PrivateChatRequest, principal: str = Depends(auth.dependency),
+                               x_privlm_epsilon: str | None = Header(None)) -> Response:
+        result, slots = await privatize(request, principal, x_privlm_epsilon)
+        call = _Call(request, principal, result, slots, options.report_in_body)
+        if audit is not None:
+            await asyncio.to_thread(audit.write, "released", audit_record(result, slots, call.id, principal,
+                                                                          request.model, bool(request.stream)))
+        if request.stream:
+            return await _stream(upstream, call, extractor, audit)
+        answer = await upstream.post(UPSTREAM_PATH, call.body())
+        _audit_upstream(audit, call, answer.status)
+        return await _complete(answer, call, extractor)
+
+    router.post("/v1/chat/completions", response_class=JSONResponse,
+                responses={200: {"model": ChatCompletion, "headers": PRIVACY_HEADERS,
+                                 "description": "The upstream's answer (JSON, or with stream: SSE chunks)",
+                                 "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}}
+                )(chat_completions)
+    return router
+
+
+def _audit_upstream(audit: AuditLog | None, call: _Call, status: int) -> None:
+    if audit is not None:
+        audit.write("upstream", {"request_id": call.id, "status": status})
+
+
+async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtractor | None) -> Response:
+    """A whole answer: the upstream's body as it is (5xx: our 502), plus the report; extracted if asked."""
+    if answer.status >= 500:
+        raise upstream_error(answer.status)
+    headers = {**answer.headers, **call.headers}
+    if not answer.ok or not (call.report or extractor is not None):
+        return Response(answer.body, status_code=answer.status, headers=headers)
+    try:
+        body = json.loads(answer.body)
+    except ValueError:
+        raise ServiceError(502, "the upstream answered with invalid JSON", type="upstream_error",
+                           code="upstream_invalid") from None
+    if extractor is not None:
+        body = await asyncio.to_thread(extractor.rewrite_completion, call.user_prompt(), body)
+    if call.report:
+        body["privlm"] = call.report_field()
+    headers.pop("content-type", None)
+    return JSONResponse(body, status_code=answer.status, headers=headers)
+
+
+async def _stream(upstream: ChatUpstream, call: _Call, extractor: AnswerExtractor | None,
+                  audit: AuditLog | None) -> Response:
+    """Open the upstream's stream; an error answer comes back whole, a stream chunk by chunk."""
+    stack = AsyncExitStack()
+    response = await stack.enter_async_context(upstream.stream(UPSTREAM_PATH, call.body()))
+    if response.status_code != 200:
+        try:
+            body = await response.aread()
+        except httpx.HTTPError:
+            body = b""
+        finally:
+            await stack.aclose()
+        _audit_upstream(audit, call, response.status_code)
+        return await _complete(UpstreamAnswer(response.status_code, passed_headers(response.headers), body),
+                               call, None)
+    _audit_upstream(audit, call, 200)
+    headers = {**passed_headers(response.headers), **call.headers}
+    headers.pop("content-type", None)
+    chunks = (_extracted_events(response, call, extractor) if extractor is not None
+              else _passed_events(response, call))
+    return StreamingResponse(_closing(chunks, stack), media_type="text/event-stream", headers=headers)
+
+
+async def _closing(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> AsyncIterator[bytes]:
+    """``chunks``, then the upstream connection closed, however the stream ends (a caller that leaves, too)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as error:  # the upstream failed mid-stream: say so in OpenAI's error event
+        yield sse_event({"error": {"message": f"the upstream failed mid-stream ({type(error).__name__})",
+                                   "type": "upstream_error", "code": "upstream_stream_failed", "param": None}})
+    finally:
+        await stack.aclose()
+
+
+def _report_event(call: _Call) -> bytes:
+    """The report as one chunk with no choices (OpenAI's clients accept it, as they accept usage chunks)."""
+    return sse_event({"id": call.id, "object": "chat.completion.chunk", "created": now(), "model": call.request.model,
+                      "choices": [], "privlm": call.report_field()})
+
+
+async def _passed_events(response: httpx.Response, call: _Call) -> AsyncIterator[bytes]:
+    if call.report:
+        yield _report_event(call)
+    async for chunk in response.aiter_bytes():
+        yield chunk
+
+
+async def _extracted_events(response: httpx.Response, call: _Call, extractor: AnswerExtractor) -> AsyncIterator[bytes]:
+    """With extraction the whole upstream answer is needed first: collect it, rewrite locally, stream the rewrite."""
+    if call.report:
+        yield _report_event(call)
+    texts = await collect_stream(response.aiter_bytes())
+    model = call.request.model
+    chunk_id, created = completion_id(), now()
+    for index in sorted(texts) or [0]:
+        answer = await asyncio.to_thread(extractor.extract, call.user_prompt(), texts.get(index, ""))
+        for delta in ({"role": "assistant", "content": ""}, {"content": answer}):
+            yield sse_event(ChatCompletionChunk.model_validate(
+                {"id": chunk_id, "created": created, "model": model,
+                 "choices": [{"index": index, "delta": delta}]}))
+        yield sse_event(ChatCompletionChunk.model_validate(
+            {"id": chunk_id, "created": created, "model": model,
+             "choices": [{"index": index, "delta": {}, "finish_reason": "stop"}]}))
+    yield SSE_DONE
+
+
+def create_chat_gateway(privacy: PromptPrivacy, upstream: ChatUpstream, *, chat_models: Sequence[str] = (),
+                        api_keys: Sequence[str] = (), options: ChatOptions = ChatOptions(),
+                        audit: AuditLog | None = None, extractor: AnswerExtractor | None = None,
+                        max_request_bytes: int = MAX_REQUEST_BYTES, **service: Unpack[ServiceOptions]) -> FastAPI:
+    """A gateway with only the private chat endpoint (``privlm gateway`` composes it with the others)."""
+    auth = BearerKeys(api_keys)
+    offered = [ModelEntry(id=name, owned_by="upstream") for name in chat_models]
+    routers = [chat_router(privacy, upstream, auth=auth, options=options, audit=audit, extractor=extractor),
+               catalog_router(offered)]
+    return _create_service_app(title="privlm gateway (OpenAI-compatible private chat)", routers=routers, auth=auth,
+                               max_request_bytes=max_request_bytes, lifespan=closing_upstream(upstream),
+                               health=lambda: {"mechanism": privacy.mechanism, "epsilon": privacy.epsilon},
+                               **service)
+
+
+def closing_upstream(upstream: ChatUpstream) -> Any:
+    """A lifespan that closes the upstream client when the app stops."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await upstream.aclose()
+    return lifespan

@@ -1,0 +1,179 @@
+"""The privacy step of a chat gateway, without HTTP: texts in, perturbed texts and their report out.
+
+Each call builds a fresh perturber (:data:`PerturberFactory`) with a fresh OS-seeded generator, charging the
+caller's principal: nothing random and nothing about the caller outlives the call, so concurrent callers
+share no state but the read-only device model and the ledger. The perturber charges the ledger the whole
+call's sound total, in one transaction, before it draws anything (``Ledger.spend_all``): a call that would
+pass the budget is refused whole (``BudgetExhaustedError``) and releases nothing.
+
+It fails closed: if perturbing fails for any reason, :meth:`PromptPrivacy.privatize` raises
+:class:`PrivacyStepError`, whose message names the kind of failure and never the text; the caller must not
+forward anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from privlm._validation import check_positive_finite, check_positive_int
+from privlm.accounting import BudgetExhaustedError, Ledger
+from privlm.cape.calibration import LogitBound
+from privlm.cape.model import Cape
+from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.models.language import LanguageModel
+from privlm.models.perturbation import PromptReport, TextPerturber
+from privlm.service import ServiceError
+
+PerturberFactory = Callable[[float, torch.Generator, Ledger | None, str], TextPerturber]
+"""``(epsilon, generator, ledger, principal)`` -> a fresh perturber that charges ``ledger`` under ``principal``."""
+
+PRIVLM = "privlm"  # the sound accounting's key in a report
+PAPER = "paper"
+MAX_PROMPT_TOKENS = 8192
+
+
+class PrivacyStepError(ServiceError):
+    """Perturbation failed: nothing may be forwarded. The message names the failure's type, never the text."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(500, f"the privacy step failed ({type(error).__name__}); nothing was sent upstream",
+                         type="server_error", code="privacy_step_failed")
+
+
+@dataclass(frozen=True)
+class PrivateTexts:
+    """The released texts, in order, and what they cost. A blank text is released as it is (no report)."""
+
+    texts: list[str]
+    reports: list[PromptReport | None]
+    mechanism: str
+    epsilon: float
+    unit: PrivacyUnit
+    budget_remaining: float | None
+
+    @property
+    def spent(self) -> float:
+        """The sound total of the call (privlm's accounting): what the ledger was charged."""
+        return sum(r.accounting.get(PRIVLM, 0.0) for r in self.reports if r is not None)
+
+    @property
+    def paper_total(self) -> float | None:
+        """The paper's own total, where the mechanism reports one (Cape: eps + eps' per token)."""
+        values = [r.accounting[PAPER] for r in self.reports if r is not None and PAPER in r.accounting]
+        return sum(values) if values else None
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.n_tokens for r in self.reports if r is not None)
+
+    @property
+    def tokens_perturbed(self) -> int:
+        return sum(r.n_perturbed for r in self.reports if r is not None)
+
+    @property
+    def tokens_changed(self) -> int:
+        return sum(r.n_changed for r in self.reports if r is not None)
+
+
+def cape_factory(device_model: LanguageModel, *, logit_bound: float | LogitBound | None,
+                 **options: object) -> PerturberFactory:
+    """Cape on ``device_model`` (options: ``lambda_L``, ``lambda_D``, ``n_buckets``...), built per call."""
+    def build(epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> TextPerturber:
+        return Cape(device_model, epsilon=epsilon, logit_bound=logit_bound, generator=generator, ledger=ledger,
+                    principal=principal, **options)  # type: ignore[arg-type]
+    return build
+
+
+class PromptPrivacy:
+    """Perturb texts at ``epsilon`` per token (the most a request may ask for; it may ask for less).
+
+    ``factory`` builds the mechanism per call; ``mechanism`` is its name for reports; ``count_tokens`` counts
+    a text's tokens on the mechanism's tokenizer (a text over ``max_prompt_tokens`` in all is refused before
+    any work); ``ledger``: per-principal budgets in ``unit`` (None: unlimited, nothing recorded).
+    """
+
+    def __init__(self, factory: PerturberFactory, *, mechanism: str, epsilon: float,
+                 count_tokens: Callable[[str], int], ledger: Ledger | None = None,
+                 unit: PrivacyUnit = PrivacyUnit.EPSILON, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+                 device: torch.device | str = "cpu") -> None:
+        self.factory, self.mechanism = factory, mechanism
+        self.epsilon = check_positive_finite("epsilon", epsilon)
+        self.count_tokens, self.ledger, self.unit = count_tokens, ledger, unit
+        self.max_prompt_tokens = check_positive_int("max_prompt_tokens", max_prompt_tokens)
+        self.device = torch.device(device)
+        if ledger is not None:
+            ledger.budget(unit)  # a ledger without a budget in this unit is refused now, not on the first request
+
+    @classmethod
+    def cape(cls, device_model: LanguageModel, *, epsilon: float, logit_bound: float | LogitBound | None,
+             ledger: Ledger | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+             **options: object) -> PromptPrivacy:
+        """Cape on ``device_model`` with its logit bound B (a :class:`LogitBound` of this model, or a number)."""
+        tokenizer = device_model.tokenizer
+
+        def count(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return cls(cape_factory(device_model, logit_bound=logit_bound, **options), mechanism="cape",
+                   epsilon=epsilon, count_tokens=count, ledger=ledger, max_prompt_tokens=max_prompt_tokens,
+                   device=device_model.device)
+
+    def resolve_epsilon(self, requested: float | None, *, param: str = "privlm.epsilon") -> float:
+        """The epsilon of one request: the configured one, or a lower one it asks for (a higher one is refused)."""
+        if requested is None:
+            return self.epsilon
+        if isinstance(requested, bool) or not isinstance(requested, int | float) or not math.isfinite(requested) \
+                or requested <= 0:
+            raise ServiceError(400, f"{param} must be a finite number > 0", param=param, code="invalid_epsilon")
+        if requested > self.epsilon:
+            raise ServiceError(400, f"{param} may lower epsilon, never raise it: this gateway allows at most "
+                                    f"{self.epsilon:g} per token", param=param, code="epsilon_above_limit")
+        return float(requested)
+
+    def check_lengths(self, texts: Sequence[str], *, param: str = "messages") -> None:
+        """Refuse (400 ``context_length_exceeded``) texts over ``max_prompt_tokens`` in all, before any work."""
+        total = 0
+        for text in texts:
+            total += self.count_tokens(text)
+            if total > self.max_prompt_tokens:
+                raise ServiceError(400, f"the text to perturb holds more than {self.max_prompt_tokens} tokens "
+                                        f"(at least {total})", param=param, code="context_length_exceeded")
+
+    def remaining(self, principal: str) -> float | None:
+        return None if self.ledger is None else self.ledger.remaining(principal, self.unit)
+
+    def privatize(self, texts: Sequence[str], *, principal: str, epsilon: float | None = None) -> PrivateTexts:
+        """Every non-blank text perturbed by one fresh perturber, charged to ``principal`` first (blocking)."""
+        eps = self.epsilon if epsilon is None else epsilon
+        wanted = [i for i, text in enumerate(texts) if text.strip()]
+        released, reports = list(texts), [None] * len(texts)
+        reports_out: list[PromptReport | None] = list(reports)
+        if wanted:
+            try:
+                generator = make_generator(device=self.device)  # fresh, OS-seeded, per call
+                perturber = self.factory(eps, generator, self.ledger, principal)
+                results = perturber.perturb_batch([texts[i] for i in wanted])
+                _check_results(results, len(wanted), charged=self.ledger is not None)
+            except BudgetExhaustedError:
+                raise
+            except Exception as error:  # fail closed: whatever went wrong, nothing leaves
+                raise PrivacyStepError(error) from None
+            for i, result in zip(wanted, results, strict=True):
+                released[i], reports_out[i] = result.text, result.report
+        return PrivateTexts(texts=released, reports=reports_out, mechanism=self.mechanism, epsilon=eps,
+                            unit=self.unit, budget_remaining=self.remaining(principal))
+
+
+def _check_results(results: Sequence[object], expected: int, *, charged: bool) -> None:
+    """What the gateway relies on: one result per text and, with a ledger, every cost charged to it."""
+    if len(results) != expected:
+        raise RuntimeError("the mechanism returned a different number of texts")
+    for result in results:
+        report = getattr(result, "report", None)
+        if not isinstance(report, PromptReport):
+            raise RuntimeError("the mechanism returned no report")
+        if charged and report.accounting.get(PRIVLM, 0.0) > 0 and report.spent is None:
+            raise RuntimeError("the mechanism did not charge the ledger")

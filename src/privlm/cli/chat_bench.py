@@ -1,0 +1,45 @@
+"""``privlm bench chat``: the chat gateway's added latency, time to first token and throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from privlm.cli.app import bench_app, console, parse_list
+
+
+def _client_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated numbers of concurrent clients, each an integer >= 1."""
+    try:
+        counts = tuple(int(part) for part in parse_list(text))
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--clients") from None
+    if not counts or any(count < 1 for count in counts):
+        raise typer.BadParameter(f"expected integers >= 1, got {text!r}", param_hint="--clients")
+    return counts
+
+
+@bench_app.command("chat")
+def bench_chat(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/chat"),
+    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends in turn, per run.")] = 8,
+    clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,8,32",
+    max_tokens: Annotated[int, typer.Option(help="Tokens serve-llm generates per answer (greedy).")] = 16,
+    epsilon: Annotated[float, typer.Option(help="The gateway's Cape epsilon per token.")] = 6.0,
+    seed: Annotated[int, typer.Option(help="Fixes which prompt each request carries.")] = 0,
+    skip_llm: Annotated[bool, typer.Option("--skip-llm", help="Measure the stub upstream only, not "
+                                                              "`privlm serve-llm`.")] = False,
+) -> None:
+    """Latency p50/p99, time to first token and requests/s at 1, 8 and 32 clients, directly and through
+    `privlm gateway` (Cape), in front of a stub upstream that answers at once and of `privlm serve-llm`."""
+    from privlm.eval.sweeps.chat_load import ChatBenchSetting, run_chat_bench
+
+    try:
+        setting = ChatBenchSetting(requests_per_client=requests_per_client, clients=_client_counts(clients),
+                                   max_tokens=max_tokens, epsilon=epsilon, seed=seed, skip_llm=skip_llm)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_chat_bench(setting, out, console)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")

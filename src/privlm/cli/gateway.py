@@ -1,0 +1,220 @@
+"""``privlm gateway``: the customer's one local privacy gateway (SnD embeddings, private chat, a LiteLLM guardrail)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import typer
+
+from privlm.cli.app import app, console
+from privlm.cli.snd import (
+    AllowKeylessOption,
+    DocsOption,
+    MaxInFlightOption,
+    _load_keys,
+    _load_server_key,
+    _service_options,
+)
+
+if TYPE_CHECKING:
+    from privlm.gateway import ChatSetup, EmbeddingsSetup
+
+
+def _positive(value: float | None, flag: str) -> None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise typer.BadParameter(f"must be finite and > 0, got {value}", param_hint=flag)
+
+
+@app.command()
+def gateway(
+    server: Annotated[str | None, typer.Option(help="Embeddings: base URL of a remote `privlm serve` (with --eta).")
+                      ] = None,
+    eta: Annotated[float | None, typer.Option(help="Embeddings: eta * d_chi-privacy per token.")] = None,
+    chat_upstream: Annotated[str | None, typer.Option(help="Chat: base URL of an OpenAI-compatible API (OpenAI, "
+                                                           "vLLM, Ollama, llama.cpp, `privlm serve-llm`).")] = None,
+    chat_upstream_key_env: Annotated[str, typer.Option(help="Chat: the environment variable holding the upstream's "
+                                                            "API key (never logged).")
+                                     ] = "PRIVLM_CHAT_UPSTREAM_API_KEY",
+    epsilon: Annotated[float | None, typer.Option(help="Chat: epsilon per perturbed token (the most a request may "
+                                                       "ask for; it may ask for less).")] = None,
+    mechanism: Annotated[str, typer.Option(help="Chat: cape, cape-distance, cape-unbucketed, santext, santext+, "
+                                                "custext, custext+, inferdpt or text2text.")] = "cape",
+    logit_bound: Annotated[Path | None, typer.Option(help="Chat: Cape's B, from `privlm cape calibrate`.")] = None,
+    device_model: Annotated[str, typer.Option(help="Chat: the local device model (smollm2, or a local folder).")
+                            ] = "smollm2",
+    chat_model: Annotated[list[str] | None, typer.Option(help="Chat: model ids to list at /v1/models (repeatable; "
+                                                              "default: the upstream's list).")] = None,
+    perturb_system: Annotated[bool, typer.Option("--perturb-system", help="Chat: perturb system and developer "
+                                                                          "messages too.")] = False,
+    non_text_parts: Annotated[str, typer.Option(help="Chat: refuse (400) or pass (forward unchanged) images, "
+                                                     "audio and files in perturbed messages.")] = "refuse",
+    report_in_body: Annotated[bool, typer.Option("--report-in-body", help="Chat: a `privlm` report field in every "
+                                                                          "answer (a request can also ask).")] = False,
+    extract: Annotated[bool, typer.Option("--extract", help="Chat: a local model rewrites each answer for the "
+                                                            "original prompt (InferDPT's extraction; no privacy "
+                                                            "cost).")] = False,
+    extract_model: Annotated[str, typer.Option(help="Chat: the local model of --extract.")] = "smollm2",
+    chat_budget: Annotated[float | None, typer.Option(help="Chat: privacy budget per API key, in epsilon (the sound "
+                                                           "per-request totals add up); none: unlimited.")] = None,
+    chat_ledger: Annotated[Path | None, typer.Option(help="Chat: SQLite ledger of --chat-budget (default: "
+                                                          "$PRIVLM_CACHE/ledger-chat-<mechanism>.sqlite).")] = None,
+    guardrail: Annotated[bool, typer.Option("--guardrail/--no-guardrail", help="Chat: also serve LiteLLM's generic "
+                                                                               "guardrail API.")] = True,
+    guardrail_charge: Annotated[str, typer.Option(help="Guardrail: charge the LiteLLM key (key) or the end user "
+                                                       "(end-user).")] = "key",
+    audit_log: Annotated[Path | None, typer.Option(help="Chat: audit log of what was sent (.jsonl or .sqlite); "
+                                                        "never the original text.")] = None,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Chat: most tokens perturbed per request.")] = 8192,
+    upstream_timeout: Annotated[float, typer.Option(help="Chat: seconds to wait for the upstream's answer.")] = 300.0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8001,
+    server_api_key: Annotated[str | None, typer.Option(help="Key for the remote server. Other users see it in the "
+                                                            "process list: prefer --server-api-key-file or "
+                                                            "$PRIVLM_SERVER_API_KEY.")] = None,
+    server_api_key_file: Annotated[Path | None, typer.Option(help="File holding the key for the remote server "
+                                                                  "(one line; # comments).")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Keys this gateway accepts (repeatable); prefer "
+                                                           "--api-key-file or $PRIVLM_GATEWAY_API_KEYS (commas or "
+                                                           "newlines). No key from any of them: open.")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="File of keys this gateway accepts, one per line "
+                                                           "(# comments).")] = None,
+    denoiser: Annotated[str, typer.Option(help="Embeddings: auto, a denoiser name from the bundle, or none.")
+                        ] = "auto",
+    truncate: Annotated[bool, typer.Option("--truncate", help="Embeddings: cut over-long texts instead of refusing "
+                                                              "them.")] = False,
+    max_request_tokens: Annotated[int, typer.Option(help="Embeddings: most tokens one request may carry (OpenAI's "
+                                                         "cap by default).")] = 300_000,
+    budget: Annotated[float | None, typer.Option(help="Embeddings: privacy budget per API key, in eta-tokens (eta "
+                                                      "summed over every token row released); none: unlimited.")
+                      ] = None,
+    ledger: Annotated[Path | None, typer.Option(help="Embeddings: SQLite ledger of --budget (default: one per server "
+                                                     "model, $PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
+    max_in_flight: MaxInFlightOption = 32,
+    docs: DocsOption = False,
+    allow_keyless: AllowKeylessOption = False,
+) -> None:
+    """One local OpenAI-compatible gateway: private /v1/embeddings (SnD, with --server and --eta), private
+    /v1/chat/completions and a LiteLLM guardrail (with --chat-upstream and --epsilon)."""
+    from privlm.gateway import create_privacy_gateway
+    from privlm.service import run_service
+    from privlm.service.auth import GATEWAY_API_KEYS_ENV
+
+    if server is None and chat_upstream is None:
+        raise typer.BadParameter("give --server and --eta (embeddings), --chat-upstream and --epsilon (chat), or "
+                                 "both", param_hint="--server / --chat-upstream")
+    keys = _load_keys(api_key, api_key_file, GATEWAY_API_KEYS_ENV)
+    service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
+                               max_in_flight=max_in_flight)
+    embeddings = None if server is None else _embeddings_setup(
+        server, eta=eta, server_key=_load_server_key(server_api_key, server_api_key_file), denoiser=denoiser,
+        truncate=truncate, max_request_tokens=max_request_tokens, budget=budget, ledger=ledger, shared=not keys)
+    chat = None if chat_upstream is None else _chat_setup(
+        chat_upstream, key_env=chat_upstream_key_env, epsilon=epsilon, mechanism=mechanism, logit_bound=logit_bound,
+        device_model=device_model, models=chat_model, perturb_system=perturb_system, non_text_parts=non_text_parts,
+        report_in_body=report_in_body, extract_model=extract_model if extract else None, budget=chat_budget,
+        ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge, audit_log=audit_log,
+        max_prompt_tokens=max_prompt_tokens, upstream_timeout=upstream_timeout, device=device, shared=not keys)
+    try:
+        gateway_app = create_privacy_gateway(embeddings=embeddings, chat=chat, api_keys=keys, **service)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    run_service(gateway_app, host=host, port=port)
+
+
+def _embeddings_setup(server: str, *, eta: float | None, server_key: str | None, denoiser: str, truncate: bool,
+                      max_request_tokens: int, budget: float | None, ledger: Path | None, shared: bool
+                      ) -> EmbeddingsSetup:
+    from privlm.accounting import Ledger
+    from privlm.gateway import EmbeddingsSetup
+    from privlm.mechanisms import PrivacyUnit
+    from privlm.models.sources import cache_dir
+    from privlm.snd import Client
+
+    if eta is None:
+        raise typer.BadParameter("--server needs --eta", param_hint="--eta")
+    _positive(budget, "--budget")
+    if ledger is not None and budget is None:
+        raise typer.BadParameter("a ledger needs a budget", param_hint="--budget")
+    client = Client(server, eta=eta, api_key=server_key, denoiser=None if denoiser == "none" else denoiser)
+    if budget is not None:
+        # One ledger per embedding space by default: eta-tokens of different models bound different distances.
+        path = ledger or cache_dir() / f"ledger-snd-{client.model.fingerprint[:16]}.sqlite"
+        client.ledger = Ledger(path, budgets={PrivacyUnit.ETA_TOKEN: budget})
+        console.print(f"Embeddings budget: {budget:g} eta-tokens per API key"
+                      f"{' (no --api-key: every caller shares one budget)' if shared else ''}, ledger {path}")
+    return EmbeddingsSetup(client=client, truncate=truncate, max_request_tokens=max_request_tokens)
+
+
+def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mechanism: str, logit_bound: Path | None,
+                device_model: str, models: list[str] | None, perturb_system: bool, non_text_parts: str,
+                report_in_body: bool, extract_model: str | None, budget: float | None, ledger: Path | None,
+                guardrail: bool, guardrail_charge: str, audit_log: Path | None, max_prompt_tokens: int,
+                upstream_timeout: float, device: str, shared: bool) -> ChatSetup:
+    from privlm.cape import LogitBound
+    from privlm.cape.service.chat import ChatOptions
+    from privlm.eval.text_mechanisms import text_mechanism
+    from privlm.gateway import ChatSetup, mechanism_privacy
+    from privlm.models.language import LanguageModel
+    from privlm.models.sources import cache_dir
+    from privlm.service.audit import AuditLog
+    from privlm.service.upstream import ChatUpstream
+
+    if epsilon is None:
+        raise typer.BadParameter("--chat-upstream needs --epsilon (per perturbed token)", param_hint="--epsilon")
+    _positive(epsilon, "--epsilon")
+    _positive(budget, "--chat-budget")
+    _positive(upstream_timeout, "--upstream-timeout")
+    if non_text_parts not in ("refuse", "pass"):
+        raise typer.BadParameter("must be refuse or pass", param_hint="--non-text-parts")
+    if guardrail_charge not in ("key", "end-user"):
+        raise typer.BadParameter("must be key or end-user", param_hint="--guardrail-charge")
+    if ledger is not None and budget is None:
+        raise typer.BadParameter("a ledger needs a budget", param_hint="--chat-budget")
+    try:
+        chosen = text_mechanism(mechanism)
+        if chosen.family == "cape" and chosen.options.get("lambda_L", 0.5) and logit_bound is None:
+            raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public sample "
+                             "prompts and pass --logit-bound logit_bound.json")
+        bound = LogitBound.load(logit_bound) if logit_bound is not None else None
+        upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, read_timeout=upstream_timeout)
+        audit = AuditLog(audit_log) if audit_log is not None else None
+        model = LanguageModel.from_pretrained(device_model, device=device)
+        path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{chosen.key}.sqlite"
+        privacy = mechanism_privacy(chosen.name, model, epsilon=epsilon, logit_bound=bound, budget=budget,
+                                    ledger_path=path, max_prompt_tokens=max_prompt_tokens)
+    except OSError as error:  # a --logit-bound, --chat-ledger or --audit-log that cannot be read or written
+        raise typer.BadParameter(f"{error.strerror or error}: {error.filename}") from None
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    if budget is not None:
+        console.print(f"Chat budget: {budget:g} {privacy.unit} per API key"
+                      f"{' (no --api-key: every caller shares one budget)' if shared else ''}, ledger {path}")
+    extractor = None
+    if extract_model is not None:
+        from privlm.cape.service.extraction import AnswerExtractor
+        from privlm.models.chat import ChatModel
+
+        extractor = AnswerExtractor(ChatModel.from_pretrained(extract_model, device=device))
+    listed = list(models or []) or asyncio.run(_upstream_models(upstream_url, key_env))
+    charge: Literal["key", "end-user"] = "end-user" if guardrail_charge == "end-user" else "key"
+    parts: Literal["refuse", "pass"] = "pass" if non_text_parts == "pass" else "refuse"
+    return ChatSetup(privacy=privacy, upstream=upstream, models=listed,
+                     options=ChatOptions(perturb_system=perturb_system, non_text_parts=parts,
+                                         report_in_body=report_in_body),
+                     audit=audit, extractor=extractor, guardrail=guardrail, guardrail_charge=charge)
+
+
+async def _upstream_models(url: str, key_env: str) -> list[str]:
+    """The upstream's model list, asked once at start (on a client of its own: the event loop ends here)."""
+    from privlm.service.upstream import ChatUpstream
+
+    probe = ChatUpstream(url, api_key=os.environ.get(key_env) or None)
+    try:
+        return await probe.models()
+    finally:
+        await probe.aclose()

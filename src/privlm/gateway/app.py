@@ -1,0 +1,124 @@
+"""One local gateway for everything an app sends out: it sits above the systems and composes their endpoints.
+
+  - ``POST /v1/embeddings``: SnD (:mod:`privlm.snd.service.gateway`), with a remote ``privlm serve``;
+  - ``POST /v1/chat/completions``: prompts perturbed by Cape or another token-level mechanism, for any
+    OpenAI-compatible upstream (:mod:`privlm.cape.service.chat`);
+  - ``POST /beta/litellm_basic_guardrail_api``: the same perturbation as a LiteLLM guardrail
+    (:mod:`privlm.cape.service.guardrail`);
+  - ``GET /v1/models``: the embedding model and the chat models, in one list.
+
+All behind one set of Bearer keys, one error model and one ``/health``. Each endpoint keeps its own budget
+(SnD's in eta-tokens, chat's in epsilon): the units differ, so they are never summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Unpack
+
+import torch
+from fastapi import APIRouter, FastAPI
+
+from privlm.accounting import Ledger
+from privlm.cape.calibration import LogitBound
+from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
+from privlm.cape.service.extraction import AnswerExtractor
+from privlm.cape.service.guardrail import guardrail_router
+from privlm.cape.service.privacy import PromptPrivacy
+from privlm.eval.text_mechanisms import MechanismContext, text_mechanism
+from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.models.language import LanguageModel
+from privlm.models.perturbation import TextPerturber
+from privlm.service import BearerKeys, ModelEntry, ServiceOptions, catalog_router, create_service_app
+from privlm.service.audit import AuditLog
+from privlm.service.upstream import ChatUpstream
+from privlm.snd.service.client import Client
+from privlm.snd.service.gateway import MAX_REQUEST_TOKENS, embeddings_routes
+
+MAX_REQUEST_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class EmbeddingsSetup:
+    """SnD embeddings through ``client`` (a remote ``privlm serve``; eta, denoiser and ledger set on it)."""
+
+    client: Client
+    truncate: bool = False
+    max_request_tokens: int = MAX_REQUEST_TOKENS
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    """Private chat to ``upstream``; ``models``: the chat model ids ``/v1/models`` lists (the upstream's)."""
+
+    privacy: PromptPrivacy
+    upstream: ChatUpstream
+    models: Sequence[str] = ()
+    options: ChatOptions = field(default_factory=ChatOptions)
+    audit: AuditLog | None = None
+    extractor: AnswerExtractor | None = None
+    guardrail: bool = True
+    guardrail_charge: Literal["key", "end-user"] = "key"
+
+
+def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: ChatSetup | None = None,
+                           api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
+                           **service: Unpack[ServiceOptions]) -> FastAPI:
+    """The gateway with the endpoints of every setup given (at least one)."""
+    if embeddings is None and chat is None:
+        raise ValueError("the gateway needs embeddings (an SnD server) or chat (an upstream), or both")
+    auth = BearerKeys(api_keys)
+    routers: list[APIRouter] = []
+    offered: list[ModelEntry] = []
+    health: dict[str, object] = {}
+    if embeddings is not None:
+        routes = embeddings_routes(embeddings.client, auth=auth, truncate=embeddings.truncate,
+                                   max_request_tokens=embeddings.max_request_tokens)
+        routers.append(routes.router)
+        offered += routes.offered
+        health["embeddings"] = routes.health
+    if chat is not None:
+        routers.append(chat_router(chat.privacy, chat.upstream, auth=auth, options=chat.options, audit=chat.audit,
+                                   extractor=chat.extractor))
+        if chat.guardrail:
+            routers.append(guardrail_router(chat.privacy, charge_to=chat.guardrail_charge, audit=chat.audit))
+        offered += [ModelEntry(id=name, owned_by="upstream") for name in chat.models]
+        health["chat"] = {"mechanism": chat.privacy.mechanism, "epsilon": chat.privacy.epsilon,
+                          "upstream": chat.upstream.base_url, "guardrail": chat.guardrail}
+    return create_service_app(title="privlm gateway (OpenAI-compatible, private)",
+                              routers=[*routers, catalog_router(offered)], auth=auth,
+                              max_request_bytes=max_request_bytes,
+                              lifespan=closing_upstream(chat.upstream) if chat is not None else None,
+                              health=lambda: health, **service)
+
+
+def mechanism_privacy(mechanism: str, device_model: LanguageModel, *, epsilon: float,
+                      logit_bound: float | LogitBound | None, budget: float | None = None,
+                      ledger_path: str | Path | None = None, max_prompt_tokens: int = 8192) -> PromptPrivacy:
+    """The privacy step of any token-level mechanism by name (``privlm.eval.text_mechanisms``), on ``device_model``.
+
+    With ``budget``: a ledger at ``ledger_path`` with that budget per principal, in the mechanism's own unit
+    (epsilon; eta-tokens for the metric-DP baselines). The mechanism is built once now (a bad name or a missing
+    bound fails at start), then afresh for every request.
+    """
+    chosen = text_mechanism(mechanism)
+    context = MechanismContext(device_model=device_model, logit_bound=logit_bound)
+    probe = chosen.build(context, epsilon=epsilon, generator=make_generator(device=device_model.device))
+    unit = getattr(probe, "unit", PrivacyUnit.EPSILON)
+    unit = unit if isinstance(unit, PrivacyUnit) else PrivacyUnit.EPSILON
+    if (budget is None) != (ledger_path is None):
+        raise ValueError("a budget needs a ledger path, and a ledger path a budget")
+    ledger = Ledger(ledger_path, budgets={unit: budget}) if budget is not None and ledger_path is not None else None
+    if chosen.name == "cape":
+        return PromptPrivacy.cape(device_model, epsilon=epsilon, logit_bound=logit_bound, ledger=ledger,
+                                  max_prompt_tokens=max_prompt_tokens)
+
+    def build(eps: float, generator: torch.Generator, ledger_: Ledger | None, principal: str) -> TextPerturber:
+        return chosen.build(context, epsilon=eps, generator=generator, ledger=ledger_, principal=principal)
+
+    tokenizer = device_model.tokenizer
+    return PromptPrivacy(build, mechanism=chosen.name, epsilon=epsilon,
+                         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+                         ledger=ledger, unit=unit, max_prompt_tokens=max_prompt_tokens, device=device_model.device)

@@ -1,0 +1,386 @@
+"""The LiteLLM guardrail endpoint on a real uvicorn server, with requests shaped exactly as LiteLLM sends them.
+
+The shape is LiteLLM's (BerriAI/litellm), copied, not imported:
+  - the body is ``GenericGuardrailAPIRequest.model_dump(mode="json")``
+    (litellm/types/proxy/guardrails/guardrail_hooks/generic_guardrail_api.py), posted by
+    ``GenericGuardrailAPI.apply_guardrail`` (litellm/proxy/guardrails/guardrail_hooks/generic_guardrail_api/
+    generic_guardrail_api.py) with the headers ``Content-Type: application/json`` plus its ``headers`` setting
+    (and ``x-api-key`` for its ``api_key`` setting): every field present, ``None`` where unset;
+  - ``request_data`` holds only the ``user_api_key_*`` keys found in the request's metadata
+    (``_extract_user_api_key_metadata``; a TypedDict with ``total=False``);
+  - ``texts`` and ``images`` of a chat request come from ``OpenAIChatCompletionsHandler._extract_inputs``
+    (litellm/llms/openai/chat/guardrail_translation/handler.py): the text of every message in order, one per
+    string content or per text part; ``structured_messages`` is the messages as they are.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from privlm.accounting import Ledger
+from privlm.cape.service.guardrail import (
+    END_USER_PREFIX,
+    GUARDRAIL_PATH,
+    KEY_PREFIX,
+    create_guardrail_app,
+)
+from privlm.cape.service.privacy import PromptPrivacy
+from privlm.mechanisms import PrivacyUnit
+from privlm.service.audit import AuditLog
+from tests.cape.conftest import PROMPT, B
+from tests.service.localhost import serving
+
+EPS = 6.0
+# LiteLLM's own test fixture for a virtual key's hash (tests/.../test_generic_guardrail_api.py).
+KEY_HASH = "a1b2c3d4e5f6789012345678901234567890abcdef1234567890abcdef123456"
+OTHER_HASH = "f" * 64
+SECRET = "my passport number is X93-771-SECRET"  # only ever in requests that must be blocked
+STOPWORDS_IN_ORDER = ("My", " in", " the", " with her", " and", " as a", ".")  # Cape's non-sensitive tokens
+
+
+def litellm_inputs(messages: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """``texts`` and ``images`` as LiteLLM extracts them from chat messages (``_extract_inputs``)."""
+    texts: list[str] = []
+    images: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if part.get("text") is not None:
+                    texts.append(part["text"])
+                if part.get("type") == "image_url":
+                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                    images.append(url)
+    return texts, images
+
+
+def litellm_body(texts: list[str] | None = None, *, messages: list[dict[str, Any]] | None = None,
+                 input_type: str = "request", request_data: dict[str, Any] | None = None,
+                 images: list[str] | None = None, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One request as LiteLLM posts it (``GenericGuardrailAPIRequest.model_dump(mode="json")``)."""
+    if messages is not None:
+        texts, found = litellm_inputs(messages)
+        images = images if images is not None else found or None
+    return {
+        "input_type": input_type,
+        "litellm_call_id": str(uuid.uuid4()),
+        "litellm_trace_id": str(uuid.uuid4()),
+        "structured_messages": messages,
+        "images": images,
+        "tools": None,
+        "texts": texts,
+        "request_data": {"user_api_key_hash": KEY_HASH, "user_api_key_user_id": "default_user_id",
+                         "user_api_key_team_id": "test-team"} if request_data is None else request_data,
+        "request_headers": {"content-type": "application/json", "user-agent": "OpenAI/Python 1.99.0",
+                            "authorization": "[present]"},
+        "litellm_version": "1.80.0",
+        "additional_provider_specific_params": {} if params is None else params,
+        "tool_calls": None,
+        "model": "gpt-4o",
+    }
+
+
+def post(client: httpx.Client, body: object, **headers: str) -> httpx.Response:
+    return client.post(GUARDRAIL_PATH, json=body, headers={"Content-Type": "application/json", **headers})
+
+
+def in_order(text: str, pieces: tuple[str, ...]) -> bool:
+    at = 0
+    for piece in pieces:
+        at = text.find(piece, at)
+        if at < 0:
+            return False
+        at += len(piece)
+    return True
+
+
+def _broken(epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> Any:
+    raise RuntimeError("the device model is gone")
+
+
+def fake_privacy(ledger: Ledger | None = None, *, max_prompt_tokens: int = 8192, count_tokens: Any = None
+                 ) -> PromptPrivacy:
+    """A privacy step without a model whose perturber always fails: for every path that must block first."""
+    return PromptPrivacy(_broken, mechanism="broken", epsilon=EPS, ledger=ledger, max_prompt_tokens=max_prompt_tokens,
+                         count_tokens=count_tokens or (lambda text: len(text.split())))
+
+
+@pytest.fixture(scope="module")
+def privacy(device_lm) -> PromptPrivacy:
+    return PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B)
+
+
+@pytest.fixture(scope="module")
+def client(privacy) -> Iterator[httpx.Client]:
+    """The guardrail on the packaged SmolLM2, no ledger, no keys."""
+    with serving(create_guardrail_app(privacy)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        yield http
+
+
+@pytest.fixture
+def fake_client() -> Iterator[httpx.Client]:
+    with serving(create_guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=60) as http:
+        yield http
+
+
+def assert_blocked(response: httpx.Response, *needles: str) -> str:
+    """A 200 BLOCKED with a reason naming ``needles``, no texts, and never the secret."""
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["action"] == "BLOCKED" and "texts" not in body, body
+    reason = body["blocked_reason"]
+    assert all(needle in reason for needle in needles), reason
+    assert SECRET not in reason and PROMPT not in reason
+    return str(reason)
+
+
+# -- perturbation ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_chat_request_is_perturbed_in_place_keeping_stopwords(client):
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": PROMPT},
+                {"role": "assistant", "content": "Sure."},
+                {"role": "user", "content": [{"type": "text", "text": "Also, my email is alice@example.com."}]}]
+    body = litellm_body(messages=messages)
+    assert len(body["texts"]) == 4
+
+    response = post(client, body)
+
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["action"] == "GUARDRAIL_INTERVENED"
+    assert len(answer["texts"]) == len(body["texts"])  # LiteLLM maps them back by index
+    released = answer["texts"][1]
+    assert released != PROMPT and "Alice lives in Paris" not in released
+    assert in_order(released, STOPWORDS_IN_ORDER), released
+    assert "blocked_reason" not in answer and "images" not in answer  # LiteLLM keeps what is not returned
+    assert response.headers["x-privlm-mechanism"] == "cape"
+    assert float(response.headers["x-privlm-epsilon"]) == EPS
+    assert float(response.headers["x-privlm-epsilon-spent"]) > 0
+    assert int(response.headers["x-privlm-tokens-perturbed"]) > 0
+
+
+@pytest.mark.slow
+def test_blank_texts_keep_their_place_and_nothing_to_perturb_is_none(client):
+    mixed = post(client, litellm_body(["", PROMPT, "   "])).json()
+    assert mixed["action"] == "GUARDRAIL_INTERVENED"
+    assert mixed["texts"][0] == "" and mixed["texts"][2] == "   " and mixed["texts"][1] != PROMPT
+
+    for texts in ([], ["", "  "]):
+        response = post(client, litellm_body(texts))
+        assert response.status_code == 200 and response.json()["action"] == "NONE", response.text
+
+
+@pytest.mark.slow
+def test_a_request_may_lower_epsilon_through_the_provider_params(client):
+    response = post(client, litellm_body([PROMPT], params={"epsilon": 2}))
+    assert response.json()["action"] == "GUARDRAIL_INTERVENED"
+    assert float(response.headers["x-privlm-epsilon"]) == 2.0
+
+
+def test_epsilon_above_the_limit_or_invalid_is_blocked(fake_client):
+    reason = assert_blocked(post(fake_client, litellm_body([SECRET], params={"epsilon": 60})),
+                            "additional_provider_specific_params.epsilon", f"at most {EPS:g}")
+    assert "never raise" in reason
+    for bad in ("abc", -1, 0, True):
+        assert_blocked(post(fake_client, litellm_body([SECRET], params={"epsilon": bad})), "epsilon")
+
+
+def test_a_response_is_not_perturbed_nor_charged(tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10.0})
+    with serving(create_guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url) as http:
+        response = post(http, litellm_body([SECRET], input_type="response"))
+    assert response.status_code == 200
+    assert response.json() == {"action": "NONE"}  # no texts: LiteLLM keeps the model's answer as it is
+    assert ledger.spent(KEY_PREFIX + KEY_HASH, PrivacyUnit.EPSILON) == 0.0
+
+
+# -- budgets ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(device_lm, privacy, tmp_path):
+    cost = privacy.privatize([PROMPT], principal="probe").spent  # charged before drawing: the same every call
+    budget = 1.5 * cost
+    ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: budget})
+    charged = PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+    with serving(create_guardrail_app(charged)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        first = post(http, litellm_body([PROMPT]))
+        assert first.json()["action"] == "GUARDRAIL_INTERVENED", first.text
+        assert ledger.spent(KEY_PREFIX + KEY_HASH, PrivacyUnit.EPSILON) == pytest.approx(cost)
+        assert float(first.headers["x-privlm-budget-remaining"]) == pytest.approx(budget - cost, rel=1e-5)
+
+        second = post(http, litellm_body([PROMPT]))
+        reason = assert_blocked(second, "budget exhausted", KEY_PREFIX + KEY_HASH, f"({budget - cost:.6g} left)")
+        assert f"{budget:.6g}" in reason
+        assert float(second.headers["x-privlm-budget-remaining"]) == pytest.approx(budget - cost, rel=1e-5)
+        assert ledger.spent(KEY_PREFIX + KEY_HASH, PrivacyUnit.EPSILON) == pytest.approx(cost)  # nothing more
+
+        other = post(http, litellm_body([PROMPT], request_data={"user_api_key_hash": OTHER_HASH}))
+        assert other.json()["action"] == "GUARDRAIL_INTERVENED"  # another key, another budget
+        assert ledger.spent(KEY_PREFIX + OTHER_HASH, PrivacyUnit.EPSILON) == pytest.approx(cost)
+
+
+@pytest.mark.slow
+def test_end_user_charging_charges_the_end_user_not_the_key(device_lm, tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1e6})
+    charged = PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+    app = create_guardrail_app(charged, charge_to="end-user")
+    with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        data = {"user_api_key_hash": KEY_HASH, "user_api_key_end_user_id": "customer-42"}
+        response = post(http, litellm_body([PROMPT], request_data=data))
+        assert response.json()["action"] == "GUARDRAIL_INTERVENED"
+        spent = float(response.headers["x-privlm-epsilon-spent"])
+        assert ledger.spent(END_USER_PREFIX + "customer-42", PrivacyUnit.EPSILON) == pytest.approx(spent, rel=1e-5)
+        assert ledger.spent(KEY_PREFIX + KEY_HASH, PrivacyUnit.EPSILON) == 0.0
+
+        assert_blocked(post(http, litellm_body([SECRET], request_data={"user_api_key_hash": KEY_HASH})),
+                       "request_data.user_api_key_end_user_id is missing")
+
+
+def test_a_missing_id_is_blocked_when_there_is_a_ledger(tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10.0})
+    with serving(create_guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url) as http:
+        for data in ({}, {"user_api_key_hash": None}, {"user_api_key_hash": "  "}):
+            assert_blocked(post(http, litellm_body([SECRET], request_data=data)),
+                           "request_data.user_api_key_hash is missing", "shared budget")
+
+
+@pytest.mark.slow
+def test_a_missing_id_goes_through_without_a_ledger(client):
+    assert post(client, litellm_body([PROMPT], request_data={})).json()["action"] == "GUARDRAIL_INTERVENED"
+
+
+# -- fail closed -----------------------------------------------------------------------------------------------
+
+def test_images_are_blocked_by_default(fake_client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = litellm_body(messages=[{"role": "user", "content": [{"type": "text", "text": SECRET}, image]}])
+    assert body["images"] == ["data:image/png;base64,AAAA"]
+    assert_blocked(post(fake_client, body), "1 image(s)", "text only")
+
+
+@pytest.mark.slow
+def test_images_pass_unchanged_when_asked(privacy):
+    messages = [{"role": "user", "content": [{"type": "text", "text": PROMPT},
+                                             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+    with serving(create_guardrail_app(privacy, images="pass")) as url, httpx.Client(base_url=url, timeout=60) as http:
+        answer = post(http, litellm_body(messages=messages)).json()
+    assert answer["action"] == "GUARDRAIL_INTERVENED" and answer["texts"][0] != PROMPT
+    assert "images" not in answer  # LiteLLM then keeps the request's own images
+
+
+def test_over_long_texts_are_blocked():
+    with serving(create_guardrail_app(fake_privacy(max_prompt_tokens=5))) as url, httpx.Client(base_url=url) as http:
+        assert_blocked(post(http, litellm_body(["one two three", SECRET])), "more than 5 tokens")
+
+
+def test_a_failing_privacy_step_is_blocked(fake_client):
+    reason = assert_blocked(post(fake_client, litellm_body(["hello", SECRET])), "privacy step failed (RuntimeError)")
+    assert "the device model is gone" not in reason  # the failure's type only
+
+
+def test_an_unexpected_error_is_blocked():
+    broken = fake_privacy(count_tokens=lambda text: 1 // 0)
+    with serving(create_guardrail_app(broken)) as url, httpx.Client(base_url=url) as http:
+        assert_blocked(post(http, litellm_body([SECRET])), "ZeroDivisionError")
+
+
+def test_texts_left_out_of_the_payload_are_blocked(fake_client):
+    body = litellm_body([SECRET])
+    del body["texts"]  # LiteLLM's exclude_payload_fields: [texts]
+    assert_blocked(post(fake_client, body), "no `texts`")
+
+
+class _FailingAudit(AuditLog):
+    def write(self, event: str, record: Any) -> None:
+        raise OSError("disk full")
+
+
+@pytest.mark.slow
+def test_a_release_that_cannot_be_audited_is_blocked(privacy, tmp_path):
+    app = create_guardrail_app(privacy, audit=_FailingAudit(tmp_path / "a.jsonl"))
+    with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        assert_blocked(post(http, litellm_body([PROMPT])), "audit log could not be written")
+
+
+# -- the audit log and the ledger ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["audit.jsonl", "audit.sqlite"])
+def test_the_audit_log_and_the_ledger_never_hold_the_original(device_lm, tmp_path, name):
+    ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1e6})
+    audit = AuditLog(tmp_path / name)
+    charged = PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+    with serving(create_guardrail_app(charged, audit=audit)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        released = post(http, litellm_body([PROMPT, ""]))
+        reasons = [post(http, litellm_body([SECRET], images=["data:image/png;base64,AAAA"])).json()["blocked_reason"],
+                   post(http, litellm_body([SECRET], params={"epsilon": 99})).json()["blocked_reason"]]
+        post(http, litellm_body([SECRET], input_type="response"))
+
+    records = audit.records()
+    assert [r["event"] for r in records] == ["released", "blocked", "blocked", "not_perturbed"]
+    first = records[0]
+    assert first["texts"] == released.json()["texts"] and first["principal"] == KEY_PREFIX + KEY_HASH
+    assert first["epsilon_spent"] == pytest.approx(float(released.headers["x-privlm-epsilon-spent"]), rel=1e-5)
+    assert first["tokens_perturbed"] > 0 and first["action"] == "GUARDRAIL_INTERVENED"
+    assert [r["blocked_reason"] for r in records[1:3]] == reasons
+    files = [path for path in tmp_path.iterdir() if path.is_file()]  # the ledger's -wal and -shm too
+    assert any(path.name.startswith("l.sqlite") for path in files) and any(path.name == name for path in files)
+    for path in files:
+        data = path.read_bytes()
+        for original in (PROMPT, SECRET, "Alice lives in Paris"):
+            assert original.encode() not in data, (path.name, original)
+    assert all(SECRET not in reason for reason in reasons)
+
+
+# -- malformed requests and keys -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("mutate", "param"), [
+    (lambda body: body.pop("input_type"), "input_type"),
+    (lambda body: body.update(input_type="both"), "input_type"),
+    (lambda body: body.update(texts=[1, 2]), "texts.0"),
+    (lambda body: body.update(texts="one text"), "texts"),
+    (lambda body: body.pop("request_data"), "request_data"),
+    (lambda body: body.update(request_data={"user_api_key_hash": 7}), "request_data.user_api_key_hash"),
+    (lambda body: body.update(images="AAAA"), "images"),
+])
+def test_malformed_requests_get_a_4xx_in_openais_shape(fake_client, mutate, param):
+    body = litellm_body([SECRET])
+    mutate(body)
+    response = post(fake_client, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_request"
+    assert error["param"] == param
+    assert SECRET not in response.text
+
+
+def test_a_body_that_is_not_a_request_gets_a_4xx(fake_client):
+    for content in (b"{not json", b"[1, 2]", b'"texts"'):
+        response = fake_client.post(GUARDRAIL_PATH, content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_with_keys_the_route_takes_a_bearer_key(tmp_path):
+    app = create_guardrail_app(fake_privacy(), api_keys=["guard-key-1"])
+    with serving(app) as url, httpx.Client(base_url=url) as http:
+        body = litellm_body([SECRET], input_type="response")
+        refused = post(http, body)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert post(http, body, Authorization="Bearer guard-key-1").json() == {"action": "NONE"}
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="charge_to"):
+        create_guardrail_app(fake_privacy(), charge_to="team")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="images"):
+        create_guardrail_app(fake_privacy(), images="drop")  # type: ignore[arg-type]

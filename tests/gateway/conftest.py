@@ -1,0 +1,219 @@
+"""Fixtures of the private chat gateway's tests.
+
+- ``gateway_lm``: the packaged SmolLM2 as Cape's device model, loaded once per session; ``cape_privacy``: Cape on
+  it at epsilon 6 with a fixed logit bound B = 30 (no calibration), no ledger.
+- ``stub``: a fast OpenAI-compatible upstream on a real uvicorn server that records every request it receives
+  and answers canned bytes: a completion, or an SSE stream. Special model names make it misbehave (slow, 500,
+  404, a stream that stalls), so no test changes shared state to get a failure.
+- ``FakePerturber``: a mechanism without a model (each word replaced by a random one, epsilon per word charged
+  to the ledger first), for the tests about the gateway's plumbing rather than about Cape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from privlm.accounting import Ledger
+from privlm.cape.service.chat import create_chat_gateway
+from privlm.cape.service.privacy import PromptPrivacy
+from privlm.mechanisms import PrivacyUnit, Spend
+from privlm.models.language import LanguageModel
+from privlm.models.perturbation import PerturbedPrompt, PromptReport
+from privlm.service.upstream import ChatUpstream
+from tests.service.localhost import serving
+
+EPS = 6.0
+B = 30.0  # a fixed logit bound: no calibration in these tests
+TIMEOUT = 60.0  # client-side, generous: a 2-core machine shared with others
+
+# Model names that make the stub misbehave.
+SLOW = "stub:slow"  # answers after SLOW_SECONDS
+STALL = "stub:stall"  # streams one chunk, then stalls for SLOW_SECONDS
+FAILING = "stub:500"  # answers 500
+MISSING = "stub:404"  # answers 404, OpenAI's model_not_found
+SLOW_SECONDS = 3.0
+
+# The stub's answers, as bytes: odd spacing and an unknown field on purpose, so that byte equality through the
+# gateway proves the body was passed on, not re-serialised.
+CANNED_CONTENT = "Paris is the capital of France."
+CANNED = (b'{"id": "chatcmpl-stub",  "object": "chat.completion", "created": 1700000000, "model": "stub-model",'
+          b' "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris is the capital of France."},'
+          b' "finish_reason": "stop", "logprobs": null}], "usage": {"prompt_tokens": 5, "completion_tokens": 7,'
+          b' "total_tokens": 12},   "system_fingerprint": "fp_stub", "x_stub_extra": {"kept": [1, 2.50, "\\u00e9"]}}')
+STREAM_PIECES = ("Paris", " is", " the", " capital", ".")
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    payload = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1700000000, "model": "stub-model",
+               "system_fingerprint": "fp_stub", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+CHUNKS = (_chunk({"role": "assistant", "content": ""}), *(_chunk({"content": piece}) for piece in STREAM_PIECES),
+          _chunk({}, "stop"), b"data: [DONE]\n\n")
+NOT_FOUND = (b'{"error": {"message": "The model `stub:404` does not exist", "type": "invalid_request_error", '
+             b'"param": "model", "code": "model_not_found"}}')
+
+
+@dataclass
+class StubUpstream:
+    """The stub's record: every body it received (JSON) and the request headers, in arrival order."""
+
+    url: str = ""
+    port: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.bodies.clear()
+            self.headers.clear()
+
+    def received(self, marker: str | None = None) -> list[dict[str, Any]]:
+        """The bodies received, or those whose JSON holds ``marker`` somewhere."""
+        with self.lock:
+            bodies = list(self.bodies)
+        return [b for b in bodies if marker is None or marker in json.dumps(b, ensure_ascii=False)]
+
+
+def stub_app(record: StubUpstream) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = json.loads(await request.body())
+        with record.lock:
+            record.bodies.append(body)
+            record.headers.append(dict(request.headers))
+        model = body.get("model")
+        if model == SLOW:
+            await asyncio.sleep(SLOW_SECONDS)
+        if model == FAILING:
+            return Response(b'{"error": {"message": "boom", "type": "server_error"}}', status_code=500,
+                            media_type="application/json")
+        if model == MISSING:
+            return Response(NOT_FOUND, status_code=404, media_type="application/json",
+                            headers={"x-stub-header": "kept"})
+        if body.get("stream"):
+            return StreamingResponse(_stream(stall=model == STALL), media_type="text/event-stream",
+                                     headers={"x-stub-header": "kept"})
+        return Response(CANNED, media_type="application/json", headers={"x-stub-header": "kept"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "stub-model", "object": "model", "created": 0, "owned_by": "stub"}]}
+
+    return app
+
+
+async def _stream(*, stall: bool) -> AsyncIterator[bytes]:
+    for i, chunk in enumerate(CHUNKS):
+        yield chunk
+        await asyncio.sleep(0.01)
+        if stall and i == 1:
+            await asyncio.sleep(SLOW_SECONDS)
+
+
+@pytest.fixture(scope="session")
+def stub() -> Iterator[StubUpstream]:
+    record = StubUpstream()
+    with serving(stub_app(record)) as url:
+        record.url, record.port = url, int(url.rsplit(":", 1)[1])
+        yield record
+
+
+@pytest.fixture(scope="session")
+def gateway_lm() -> LanguageModel:
+    return LanguageModel.from_pretrained("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def cape_privacy(gateway_lm: LanguageModel) -> PromptPrivacy:
+    return PromptPrivacy.cape(gateway_lm, epsilon=EPS, logit_bound=B)
+
+
+@contextmanager
+def chat_gateway(privacy: PromptPrivacy, upstream_url: str, *, read_timeout: float = 300.0,
+                 upstream_key: str | None = None, **options: Any) -> Iterator[str]:
+    """``create_chat_gateway`` (``options``) on a real uvicorn server, forwarding to ``upstream_url`` with
+    ``upstream_key``; yields its base URL."""
+    upstream = ChatUpstream(upstream_url, read_timeout=read_timeout, api_key=upstream_key)
+    with serving(create_chat_gateway(privacy, upstream, **options)) as url:
+        yield url
+
+
+def chat_body(*texts: str, model: str = "stub-model", **fields: Any) -> dict[str, Any]:
+    """A chat request with one user message per text."""
+    return {"model": model, "messages": [{"role": "user", "content": text} for text in texts], **fields}
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """The events of an SSE body, each with its trailing blank line (as the stub wrote them)."""
+    return [event + b"\n\n" for event in raw.replace(b"\r\n", b"\n").split(b"\n\n") if event.strip()]
+
+
+def assert_openai_error(response: Any, status: int, *, code: str | None = None, param: str | None = None
+                        ) -> dict[str, Any]:
+    """A JSON error in OpenAI's shape with ``status`` (and ``code`` / ``param`` when given); returns ``error``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return dict(error)
+
+
+# -- a mechanism without a model ------------------------------------------------------------------------------
+
+WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano")
+
+
+class FakePerturber:
+    """Every word replaced by one of ``WORDS`` drawn with ``generator``; epsilon per word, charged first."""
+
+    name = "fake"
+
+    def __init__(self, epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> None:
+        self.epsilon, self.generator, self.ledger, self.principal = epsilon, generator, ledger, principal
+
+    @property
+    def vocabulary(self) -> Any:
+        raise NotImplementedError
+
+    def perturb(self, text: str) -> PerturbedPrompt:
+        return self.perturb_batch([text])[0]
+
+    def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
+        totals = [self.epsilon * len(text.split()) for text in texts]
+        if self.ledger is not None:
+            self.ledger.spend_all(self.principal, [Spend(PrivacyUnit.EPSILON, t) for t in totals if t > 0])
+        out = []
+        for text, total in zip(texts, totals, strict=True):
+            draws = torch.randint(len(WORDS), (len(text.split()),), generator=self.generator).tolist()
+            report = PromptReport(mechanism="fake", tokens=(), candidate_set_size=len(WORDS),
+                                  accounting={"privlm": total}, guarantee="a test mechanism",
+                                  spent=total if self.ledger is not None else None)
+            out.append(PerturbedPrompt(text=" ".join(WORDS[d] for d in draws), report=report))
+        return out
+
+
+def fake_privacy(factory: Any = FakePerturber, *, ledger: Ledger | None = None, epsilon: float = EPS,
+                 max_prompt_tokens: int = 8192) -> PromptPrivacy:
+    return PromptPrivacy(factory, mechanism="fake", epsilon=epsilon, count_tokens=lambda text: len(text.split()),
+                         ledger=ledger, max_prompt_tokens=max_prompt_tokens)
+

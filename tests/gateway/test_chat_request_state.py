@@ -1,0 +1,113 @@
+"""Request-scoped state: every request gets its own mechanism object, its own freshly seeded generator and its
+caller's own principal; concurrent callers share nothing else.
+
+A spy factory records what the gateway hands it per request: the generator (object, initial seed and state, taken
+before any draw), the principal, and the texts the mechanism then sees.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from privlm.accounting import Ledger, principal_of_key
+from privlm.cape.service.privacy import PromptPrivacy, cape_factory
+from tests.gateway.conftest import EPS, TIMEOUT, B, FakePerturber, chat_body, chat_gateway, fake_privacy
+
+KEYS = ("key-first-0001", "key-second-002", "key-third-0003")
+
+
+@dataclass
+class Handed:
+    """What one request's factory call received."""
+
+    generator: torch.Generator
+    seed: int
+    state: bytes
+    principal: str
+    perturber: Any
+    texts: list[str]
+
+
+class Spy:
+    """Wraps a factory; records every call, and the texts its perturber is asked to perturb."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+        self.calls: list[Handed] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> Any:
+        handed = Handed(generator, generator.initial_seed(), bytes(generator.get_state().numpy()), principal,
+                        None, [])
+        perturber = self.factory(epsilon, generator, ledger, principal)
+        original = perturber.perturb_batch
+
+        def perturb_batch(texts: Sequence[str]) -> Any:
+            handed.texts.extend(texts)
+            return original(texts)
+        perturber.perturb_batch = perturb_batch
+        handed.perturber = perturber
+        with self.lock:
+            self.calls.append(handed)
+        return perturber
+
+
+def send_all(url: str, requests: list[tuple[str, str]]) -> list[int]:
+    """Each (key, text) as its own request, all at once from threads."""
+    def one(request: tuple[str, str]) -> int:
+        key, text = request
+        return httpx.post(f"{url}/v1/chat/completions", json=chat_body(text), timeout=TIMEOUT,
+                          headers={"authorization": f"Bearer {key}"}).status_code
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def assert_request_scoped(calls: list[Handed], requests: list[tuple[str, str]]) -> None:
+    assert len(calls) == len(requests)
+    # Distinct objects (the spy holds them all, so no id was reused), distinct seeds, distinct starting states.
+    assert len({id(c.generator) for c in calls}) == len(calls)
+    assert len({id(c.perturber) for c in calls}) == len(calls)
+    assert len({c.seed for c in calls}) == len(calls)
+    assert len({c.state for c in calls}) == len(calls)
+    # Each mechanism saw one request's text only, and charges the key that sent it.
+    by_text = dict((text, key) for key, text in requests)
+    for call in calls:
+        [text] = call.texts
+        assert call.principal == principal_of_key(by_text[text]) != by_text[text]  # a hash, never the key
+
+
+def test_every_request_gets_a_fresh_generator_and_its_callers_principal(stub):
+    spy = Spy(FakePerturber)
+    requests = [(KEYS[i % len(KEYS)], f"request {i} from caller {KEYS[i % len(KEYS)]}") for i in range(12)]
+    with chat_gateway(fake_privacy(spy), stub.url, api_keys=list(KEYS), max_in_flight_per_caller=8) as url:
+        assert send_all(url, requests) == [200] * len(requests)
+    assert_request_scoped(spy.calls, requests)
+
+
+@pytest.mark.slow
+def test_every_request_gets_its_own_cape(gateway_lm, stub):
+    """The same with the real Cape factory: one Cape per request, drawing from the generator it was handed."""
+    spy = Spy(cape_factory(gateway_lm, logit_bound=B))
+    privacy = PromptPrivacy(spy, mechanism="cape", epsilon=EPS, count_tokens=lambda text: len(text.split()))
+    requests = [(KEYS[i % 2], f"Alice number {i} lives in Boston") for i in range(4)]
+    with chat_gateway(privacy, stub.url, api_keys=list(KEYS)) as url:
+        assert send_all(url, requests) == [200] * len(requests)
+    assert_request_scoped(spy.calls, requests)
+    for call in spy.calls:
+        assert call.perturber.generator is call.generator and call.perturber.principal == call.principal
+
+
+def test_an_open_gateway_charges_every_caller_as_anonymous(stub):
+    spy = Spy(FakePerturber)
+    with chat_gateway(fake_privacy(spy), stub.url) as url:
+        response = httpx.post(f"{url}/v1/chat/completions", json=chat_body("hello there"), timeout=TIMEOUT)
+    assert response.status_code == 200
+    assert [c.principal for c in spy.calls] == ["anonymous"]
