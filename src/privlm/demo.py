@@ -212,7 +212,8 @@ def chat_section(console: Console, gateway_url: str) -> None:
     with console.status("Perturbing the prompt with Cape, then asking the upstream..."):
         answer, headers, client_name = _chat(gateway_url, CHAT_PROMPT)
     report = answer["privlm"]
-    console.print(f"client: {client_name}; the upstream received: {report['texts'][0]['sent']!r}")
+    console.print(f"client: {client_name}; the gateway sent upstream (all serve-llm received of the prompt): "
+                  f"{report['texts'][0]['sent']!r}")
     console.print(f"report (x-privlm-* headers): mechanism {headers['x-privlm-mechanism']}, epsilon "
                   f"{headers['x-privlm-epsilon']} per token, {headers['x-privlm-tokens-perturbed']} of "
                   f"{headers['x-privlm-tokens']} tokens perturbed, {float(headers['x-privlm-epsilon-spent']):.1f} "

@@ -8,6 +8,7 @@ from PIL import Image
 from rich.console import Console
 from typer.testing import CliRunner
 
+from privlm.accounting import Ledger
 from privlm.attacks import token_id_inversion
 from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.eval.bench import run_sweep
@@ -62,9 +63,10 @@ class KeepOrUniform:
 class KeepOrUniformText(TokenLevelBaseline):
     name = "toy"
 
-    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float,
-                 generator: torch.Generator | None = None) -> None:
-        super().__init__(vocabulary, epsilon=epsilon, non_sensitive=NonSensitiveTokens.english(), generator=generator)
+    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, generator: torch.Generator | None = None,
+                 ledger: Ledger | None = None, principal: str = "local") -> None:
+        super().__init__(vocabulary, epsilon=epsilon, non_sensitive=NonSensitiveTokens.english(), generator=generator,
+                         ledger=ledger, principal=principal)
         self.mechanism = KeepOrUniform(vocabulary, epsilon / (epsilon + 10))
 
     def release(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -72,8 +74,8 @@ class KeepOrUniformText(TokenLevelBaseline):
 
 
 TOY = TextMechanism("toy", "Toy keep-or-uniform", "baseline", "keeps w.p. eps / (eps + 10)",
-                    lambda context, eps, generator: KeepOrUniformText(context.vocabulary, epsilon=eps,
-                                                                      generator=generator))
+                    lambda context, eps, generator, ledger, principal: KeepOrUniformText(
+                        context.vocabulary, epsilon=eps, generator=generator, ledger=ledger, principal=principal))
 
 
 # --- the registry ------------------------------------------------------------------------------

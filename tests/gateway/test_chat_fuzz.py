@@ -21,7 +21,7 @@ KEY = "fuzz-key-0001"
 @pytest.mark.slow
 def test_the_gateway_openapi_never_answers_5xx(gateway_lm, stub):
     privacy = mechanism_privacy("cape-distance", gateway_lm, epsilon=EPS, logit_bound=None, max_prompt_tokens=16)
-    setup = ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url), models=["stub-model"])
+    setup = ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url), models=["stub-model"], guardrail=True)
     with serving(create_privacy_gateway(chat=setup, api_keys=[KEY])) as url:
         seen = fuzz_openapi(url, headers={"authorization": f"Bearer {KEY}"}, max_examples=30)
     paths = {path for path, _ in seen}
@@ -34,7 +34,7 @@ def test_the_gateway_openapi_never_answers_5xx(gateway_lm, stub):
 def test_a_good_answer_conforms_to_the_documented_schema(stub, stream):
     """The hand-made valid request fuzzing rarely finds, streaming and not: the answer is what the OpenAPI says
     (schemathesis reads a ``text/event-stream`` schema as the schema of each event: ``{data, event, id, retry}``)."""
-    setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url), models=["stub-model"])
+    setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url), models=["stub-model"], guardrail=True)
     body = {"model": "stub-model", "stream": stream, "messages": [{"role": "user", "content": "hello there"}]}
     with serving(create_privacy_gateway(chat=setup)) as url:
         response = conforming(url, "POST", "/v1/chat/completions", body=body, media_type="application/json")

@@ -61,9 +61,11 @@ def gateway(
     chat_budget: Annotated[float | None, typer.Option(help="Chat: privacy budget per API key, in epsilon (the sound "
                                                            "per-request totals add up); none: unlimited.")] = None,
     chat_ledger: Annotated[Path | None, typer.Option(help="Chat: SQLite ledger of --chat-budget (default: "
-                                                          "$PRIVLM_CACHE/ledger-chat-<mechanism>.sqlite).")] = None,
+                                                          "$PRIVLM_CACHE/ledger-chat-<unit>.sqlite).")] = None,
     guardrail: Annotated[bool, typer.Option("--guardrail/--no-guardrail", help="Chat: also serve LiteLLM's generic "
-                                                                               "guardrail API.")] = True,
+                                                                               "guardrail API (it charges the ids "
+                                                                               "LiteLLM names: give LiteLLM its own "
+                                                                               "gateway).")] = False,
     guardrail_charge: Annotated[str, typer.Option(help="Guardrail: charge the LiteLLM key (key) or the end user "
                                                        "(end-user).")] = "key",
     audit_log: Annotated[Path | None, typer.Option(help="Chat: audit log of what was sent (.jsonl or .sqlite); "
@@ -184,7 +186,7 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
         upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, read_timeout=upstream_timeout)
         audit = AuditLog(audit_log) if audit_log is not None else None
         model = LanguageModel.from_pretrained(device_model, device=device)
-        path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{chosen.key}.sqlite"
+        path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{_unit_of(chosen.name)}.sqlite"
         privacy = mechanism_privacy(chosen.name, model, epsilon=epsilon, logit_bound=bound, budget=budget,
                                     ledger_path=path, max_prompt_tokens=max_prompt_tokens)
     except OSError as error:  # a --logit-bound, --chat-ledger or --audit-log that cannot be read or written
@@ -218,3 +220,9 @@ async def _upstream_models(url: str, key_env: str) -> list[str]:
         return await probe.models()
     finally:
         await probe.aclose()
+
+
+def _unit_of(mechanism: str) -> str:
+    """The ledger unit of a mechanism, by name: one default ledger per unit, so switching between mechanisms of one
+    unit keeps every key's spend (eta-tokens for the metric-DP baselines, epsilon for the others)."""
+    return "eta-token" if mechanism in ("santext", "santext+", "text2text") else "epsilon"

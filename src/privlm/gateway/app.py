@@ -59,7 +59,7 @@ class ChatSetup:
     options: ChatOptions = field(default_factory=ChatOptions)
     audit: AuditLog | None = None
     extractor: AnswerExtractor | None = None
-    guardrail: bool = True
+    guardrail: bool = False  # it charges ids its caller names: mount it only where LiteLLM alone holds a key
     guardrail_charge: Literal["key", "end-user"] = "key"
 
 

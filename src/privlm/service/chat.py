@@ -21,12 +21,24 @@ FinishReason = Literal["stop", "length"]
 MAX_STOP_SEQUENCES = 4  # OpenAI's cap
 
 
+def _encodable(value: object) -> object:
+    """A string must be valid Unicode (JSON lets a lone surrogate through; no tokenizer takes it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
 class TextPart(BaseModel):
     """A text part of a multi-part message content."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["text"]
     text: str
+
+    _valid_text = field_validator("text")(_encodable)
 
 
 class OtherPart(BaseModel):
@@ -52,6 +64,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Role
     content: str | list[ContentPart] | None = None
+
+    _valid_content = field_validator("content")(_encodable)
 
 
 class ChatCompletionRequest(BaseModel):

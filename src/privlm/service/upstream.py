@@ -110,6 +110,9 @@ def _failures() -> Iterator[None]:
     except httpx.TransportError as error:
         raise ServiceError(502, f"the upstream could not be reached ({type(error).__name__})",
                            type="upstream_error", code="upstream_unreachable") from None
+    except httpx.HTTPError as error:  # an answer that cannot be read (a bad encoding, say)
+        raise ServiceError(502, f"the upstream's answer could not be read ({type(error).__name__})",
+                           type="upstream_error", code="upstream_invalid") from None
 
 
 def upstream_error(status: int) -> ServiceError:

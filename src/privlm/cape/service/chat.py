@@ -169,7 +169,8 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
                 raise ServiceError(400, "the x-privlm-epsilon header must be a number", param=param,
                                    code="invalid_epsilon") from None
         epsilon = privacy.resolve_epsilon(requested, param=param)
-        found = text_slots(request, perturb_system=options.perturb_system, non_text_parts=options.non_text_parts)
+        found = text_slots(request, perturb_system=options.perturb_system, perturb_assistant=extractor is not None,
+                           non_text_parts=options.non_text_parts)
         slots, texts = [slot for slot, _ in found], [text for _, text in found]
         privacy.check_lengths(texts)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"
@@ -184,11 +185,16 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
         if audit is not None:
             await asyncio.to_thread(audit.write, "released", audit_record(result, slots, call.id, principal,
                                                                           request.model, bool(request.stream)))
-        if request.stream:
-            return await _stream(upstream, call, extractor, audit)
-        answer = await upstream.post(UPSTREAM_PATH, call.body())
-        _audit_upstream(audit, call, answer.status)
-        return await _complete(answer, call, extractor)
+        try:
+            if request.stream:
+                return await _stream(upstream, call, extractor, audit)
+            answer = await upstream.post(UPSTREAM_PATH, call.body())
+            await asyncio.to_thread(_audit_upstream, audit, call, answer.status)
+            return await _complete(answer, call, extractor)
+        except ServiceError as error:  # charged already: the failure carries the report too, and is audited
+            await asyncio.to_thread(_audit_upstream, audit, call, error.status, error.detail.code)
+            error.headers = {**(error.headers or {}), **call.headers}
+            raise
 
     router.post("/v1/chat/completions", response_class=JSONResponse,
                 responses={200: {"model": ChatCompletion, "headers": PRIVACY_HEADERS,
@@ -198,9 +204,10 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
     return router
 
 
-def _audit_upstream(audit: AuditLog | None, call: _Call, status: int) -> None:
+def _audit_upstream(audit: AuditLog | None, call: _Call, status: int, code: str | None = None) -> None:
+    """The upstream's status (or the gateway's own error for it) after a release (blocking)."""
     if audit is not None:
-        audit.write("upstream", {"request_id": call.id, "status": status})
+        audit.write("upstream", {"request_id": call.id, "status": status} | ({"code": code} if code else {}))
 
 
 async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtractor | None) -> Response:
@@ -235,10 +242,10 @@ async def _stream(upstream: ChatUpstream, call: _Call, extractor: AnswerExtracto
             body = b""
         finally:
             await stack.aclose()
-        _audit_upstream(audit, call, response.status_code)
+        await asyncio.to_thread(_audit_upstream, audit, call, response.status_code)
         return await _complete(UpstreamAnswer(response.status_code, passed_headers(response.headers), body),
                                call, None)
-    _audit_upstream(audit, call, 200)
+    await asyncio.to_thread(_audit_upstream, audit, call, 200)
     headers = {**passed_headers(response.headers), **call.headers}
     headers.pop("content-type", None)
     chunks = (_extracted_events(response, call, extractor) if extractor is not None

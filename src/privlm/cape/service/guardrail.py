@@ -130,11 +130,16 @@ def _headers(result: PrivateTexts, request_id: str) -> dict[str, str]:
     return headers
 
 
+MAX_ID_CHARS = 256  # a key hash or an end-user id; the ledger keeps it
+
+
 def _principal(data: LiteLLMRequestData, charge_to: ChargeTo, privacy: PromptPrivacy) -> str:
     """The principal charged: LiteLLM's key hash or end-user id. Missing with a ledger: blocked."""
     field, prefix = (("user_api_key_hash", KEY_PREFIX) if charge_to == "key"
                      else ("user_api_key_end_user_id", END_USER_PREFIX))
     value = (getattr(data, field) or "").strip()
+    if len(value) > MAX_ID_CHARS:
+        raise _BlockedError(f"privlm: request_data.{field} is longer than {MAX_ID_CHARS} characters")
     if value:
         return prefix + value
     if privacy.ledger is None:

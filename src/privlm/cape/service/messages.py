@@ -1,9 +1,11 @@
 """Which texts of a chat request are perturbed, and the request to forward with them replaced.
 
-Perturbed: the text content of every ``user`` message, and of ``system`` and ``developer`` messages when the
-gateway is told to (``perturb_system``). A string content is one text; in a list of parts each text part is
-one text. Never touched: ``assistant``, ``tool`` and ``function`` messages (the model's own output and the
-results of the app's tools), tool-call arguments, tool definitions, and every other field of the request.
+Perturbed: the text content of every ``user`` message, of ``system`` and ``developer`` messages when the
+gateway is told to (``perturb_system``), and of ``assistant`` messages when it extracts answers locally
+(``perturb_assistant``: the answers it returned then come from the original prompt). A string content is
+one text; in a list of parts each text part is one text. Never touched: ``tool`` and ``function`` messages
+(the results of the app's tools), ``assistant`` messages otherwise (the upstream's own output), tool-call
+arguments, tool definitions, and every other field of the request.
 A non-text part (an image, audio, a file) of a perturbed message cannot be perturbed: it is refused (400)
 unless the gateway passes such parts through on purpose (``non_text_parts="pass"``).
 """
@@ -35,14 +37,20 @@ class TextSlot:
         return f"messages.{self.message}.content" + ("" if self.part is None else f".{self.part}.text")
 
 
-def perturbed_roles(perturb_system: bool) -> frozenset[str]:
-    return frozenset({"user"}) | (SYSTEM_ROLES if perturb_system else frozenset())
+def perturbed_roles(perturb_system: bool, perturb_assistant: bool = False) -> frozenset[str]:
+    return (frozenset({"user"}) | (SYSTEM_ROLES if perturb_system else frozenset())
+            | (frozenset({"assistant"}) if perturb_assistant else frozenset()))
 
 
-def text_slots(request: ChatCompletionRequest, *, perturb_system: bool = False,
+def text_slots(request: ChatCompletionRequest, *, perturb_system: bool = False, perturb_assistant: bool = False,
                non_text_parts: NonTextParts = "refuse") -> list[tuple[TextSlot, str]]:
-    """Every text to perturb, with its place; a non-text part of a perturbed message is refused unless passed."""
-    roles = perturbed_roles(perturb_system)
+    """Every text to perturb, with its place; a non-text part of a perturbed message is refused unless passed.
+
+    ``perturb_assistant``: also assistant messages' text (their tool calls stay as they are). A gateway with
+    response-side extraction needs it: the answers it returned were written from the original prompt, so
+    they may hold its details, and a client sends them back as history.
+    """
+    roles = perturbed_roles(perturb_system, perturb_assistant)
     found: list[tuple[TextSlot, str]] = []
     for i, message in enumerate(request.messages):
         if message.role not in roles or message.content is None:
