@@ -7,9 +7,10 @@
 4. Split-N-Denoise in-process: private sentence embeddings, with and without the shipped denoiser.
 5. Split-N-Denoise as a service: ``privlm serve`` and ``privlm gateway`` on localhost, the client
    SDK, and one OpenAI-format request through the gateway.
-6. Private chat through the same gateway: a prompt with personal details sent with the ``openai`` client
-   (plain httpx where ``openai`` is not installed: the demo needs nothing from the dev extra) to
-   ``privlm serve-llm``, a local SmolLM2 chat server; what the upstream received, the report and its answer.
+6. Private chat through the same gateway (printed as step 5: steps 1 and 2 share one heading): a prompt
+   with personal details sent with the ``openai`` client (plain httpx where ``openai`` is not installed: the
+   demo needs nothing from the dev extra) to ``privlm serve-llm``, a local SmolLM2 chat server; what the
+   upstream received, the report and its answer.
 """
 
 from __future__ import annotations

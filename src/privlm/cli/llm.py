@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from privlm.cli.app import app, console
-from privlm.cli.snd import AllowKeylessOption, DocsOption, MaxInFlightOption, _load_keys, _service_options
+from privlm.cli.snd import (
+    AllowKeylessOption,
+    ApiKeyFileOption,
+    ApiKeyOption,
+    DocsOption,
+    MaxInFlightOption,
+    _load_keys,
+    _service_options,
+)
 
 
 @app.command("serve-llm")
@@ -17,12 +24,8 @@ def serve_llm(
                                             "LM whose tokenizer has a chat template.")] = "smollm2",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8002,
-    api_key: Annotated[list[str] | None, typer.Option(help="Accepted Bearer key (repeatable). Other users see it "
-                                                           "in the process list: prefer --api-key-file or "
-                                                           "$PRIVLM_API_KEYS (commas or newlines). No key from "
-                                                           "any of them: open.")] = None,
-    api_key_file: Annotated[Path | None, typer.Option(help="File of accepted Bearer keys, one per line (# comments); "
-                                                           "refused if every user can read it.")] = None,
+    api_key: ApiKeyOption = None,
+    api_key_file: ApiKeyFileOption = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     max_tokens_cap: Annotated[int, typer.Option(help="Most tokens one answer may ask for (max_tokens), and the "
                                                      "default.")] = 1024,

@@ -21,6 +21,13 @@ MaxInFlightOption = Annotated[int, typer.Option(
     "--max-in-flight", help="Requests with a body read or processed at once (a quarter of them per API key); more "
                             "get a 503 (429) to retry. Memory for bodies: about this times the largest request.")]
 DocsOption = Annotated[bool, typer.Option("--docs", help="Serve /docs and /redoc (they load scripts from a CDN).")]
+# The keys a server (`privlm serve`, `privlm serve-llm`) accepts.
+ApiKeyOption = Annotated[list[str] | None, typer.Option(
+    "--api-key", help="Accepted Bearer key (repeatable). Other users see it in the process list: prefer "
+                      "--api-key-file or $PRIVLM_API_KEYS (commas or newlines). No key from any of them: open.")]
+ApiKeyFileOption = Annotated[Path | None, typer.Option(
+    "--api-key-file", help="File of accepted Bearer keys, one per line (# comments); refused if every user can "
+                           "read it.")]
 AllowKeylessOption = Annotated[bool, typer.Option("--allow-keyless", help="Serve without keys on a --host other "
                                                                            "than loopback, to anyone.")]
 
@@ -203,12 +210,8 @@ def serve(
     model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
-    api_key: Annotated[list[str] | None, typer.Option(help="Accepted Bearer key (repeatable). Other users see it "
-                                                           "in the process list: prefer --api-key-file or "
-                                                           "$PRIVLM_API_KEYS (commas or newlines). No key from "
-                                                           "any of them: open.")] = None,
-    api_key_file: Annotated[Path | None, typer.Option(help="File of accepted Bearer keys, one per line (# comments); "
-                                                           "refused if every user can read it.")] = None,
+    api_key: ApiKeyOption = None,
+    api_key_file: ApiKeyFileOption = None,
     denoiser: Annotated[list[Path] | None, typer.Option(help="Denoiser folders to offer (default: shipped).")] = None,
     max_batch_rows: Annotated[int, typer.Option(help="Micro-batch size bound (sentences).")] = 64,
     max_wait_ms: Annotated[float, typer.Option(help="Micro-batch wait bound.")] = 5.0,

@@ -26,7 +26,7 @@ from privlm.cape.calibration import LogitBound
 from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
 from privlm.cape.service.extraction import AnswerExtractor
 from privlm.cape.service.guardrail import guardrail_router
-from privlm.cape.service.privacy import PromptPrivacy
+from privlm.cape.service.privacy import PromptPrivacy, token_counter
 from privlm.eval.text_mechanisms import MechanismContext, text_mechanism
 from privlm.mechanisms import PrivacyUnit, make_generator
 from privlm.models.language import LanguageModel
@@ -118,7 +118,5 @@ def mechanism_privacy(mechanism: str, device_model: LanguageModel, *, epsilon: f
     def build(eps: float, generator: torch.Generator, ledger_: Ledger | None, principal: str) -> TextPerturber:
         return chosen.build(context, epsilon=eps, generator=generator, ledger=ledger_, principal=principal)
 
-    tokenizer = device_model.tokenizer
-    return PromptPrivacy(build, mechanism=chosen.name, epsilon=epsilon,
-                         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+    return PromptPrivacy(build, mechanism=chosen.name, epsilon=epsilon, count_tokens=token_counter(device_model),
                          ledger=ledger, unit=unit, max_prompt_tokens=max_prompt_tokens, device=device_model.device)

@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from privlm.accounting import BudgetExhaustedError
+from privlm.cape.service.chat import privacy_headers
 from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
 from privlm.service import BearerKeys, FairScheduler, ServiceError, ServiceOptions, create_service_app
 from privlm.service.audit import AuditLog
@@ -118,16 +119,6 @@ class _BlockedError(Exception):
 
 def _answer(response: GuardrailResponse, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(response.model_dump(exclude_none=True), headers=dict(headers or {}))
-
-
-def _headers(result: PrivateTexts, request_id: str) -> dict[str, str]:
-    """The report as ``x-privlm-*`` headers (the names of the chat gateway's)."""
-    headers = {"x-privlm-request-id": request_id, "x-privlm-mechanism": result.mechanism,
-               "x-privlm-epsilon": f"{result.epsilon:g}", "x-privlm-epsilon-spent": f"{result.spent:.6g}",
-               "x-privlm-tokens": str(result.tokens), "x-privlm-tokens-perturbed": str(result.tokens_perturbed)}
-    if result.budget_remaining is not None:
-        headers["x-privlm-budget-remaining"] = f"{result.budget_remaining:.6g}"
-    return headers
 
 
 MAX_ID_CHARS = 256  # a key hash or an end-user id; the ledger keeps it
@@ -221,7 +212,8 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", aud
         action: Action = "GUARDRAIL_INTERVENED" if changed else "NONE"
         if not await record("released", _released_record(result, request, request_id, principal, action)):
             raise _BlockedError("privlm: the audit log could not be written; nothing may be sent unrecorded")
-        return _answer(GuardrailResponse(action=action, texts=list(result.texts)), _headers(result, request_id))
+        return _answer(GuardrailResponse(action=action, texts=list(result.texts)),
+                       privacy_headers(result, request_id))
 
     async def guardrail(request: GuardrailRequest) -> JSONResponse:
         request_id = f"privlm-{uuid.uuid4().hex[:16]}"

@@ -88,6 +88,12 @@ def cape_factory(device_model: LanguageModel, *, logit_bound: float | LogitBound
     return build
 
 
+def token_counter(device_model: LanguageModel) -> Callable[[str], int]:
+    """A text's token count on ``device_model``'s tokenizer, as the mechanisms tokenize it (no special tokens)."""
+    tokenizer = device_model.tokenizer
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 class PromptPrivacy:
     """Perturb texts at ``epsilon`` per token (the most a request may ask for; it may ask for less).
 
@@ -113,13 +119,9 @@ class PromptPrivacy:
              ledger: Ledger | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
              **options: object) -> PromptPrivacy:
         """Cape on ``device_model`` with its logit bound B (a :class:`LogitBound` of this model, or a number)."""
-        tokenizer = device_model.tokenizer
-
-        def count(text: str) -> int:
-            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
         return cls(cape_factory(device_model, logit_bound=logit_bound, **options), mechanism="cape",
-                   epsilon=epsilon, count_tokens=count, ledger=ledger, max_prompt_tokens=max_prompt_tokens,
-                   device=device_model.device)
+                   epsilon=epsilon, count_tokens=token_counter(device_model), ledger=ledger,
+                   max_prompt_tokens=max_prompt_tokens, device=device_model.device)
 
     def resolve_epsilon(self, requested: float | None, *, param: str = "privlm.epsilon") -> float:
         """The epsilon of one request: the configured one, or a lower one it asks for (a higher one is refused)."""
