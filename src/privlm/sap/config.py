@@ -1,0 +1,112 @@
+"""Settings of one SAP fine-tuning run, validated in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from peft import LoraConfig
+
+from privlm._validation import check_choice, check_positive_finite, check_positive_int
+
+HeadPlacement = Literal["vendor", "customer"]
+HEAD_PLACEMENTS: tuple[HeadPlacement, ...] = ("vendor", "customer")
+
+
+def _check_optional_eta(name: str, value: object) -> float | None:
+    return None if value is None else check_positive_finite(name, value)
+
+
+def _check_seed(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """LoRA on the vendor's top model (through ``peft``). BERT's default targets are ``query`` and ``value``."""
+
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("query", "value")
+
+    def __post_init__(self) -> None:
+        check_positive_int("rank", self.rank)
+        check_positive_int("alpha", self.alpha)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        targets = tuple(self.target_modules)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"target_modules must be non-empty module names, got {self.target_modules!r}")
+        object.__setattr__(self, "target_modules", targets)
+
+    def peft_config(self, *, train_head: bool) -> LoraConfig:
+        """The peft config; the task head (module ``head``) is trained in full when it sits at the vendor."""
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), modules_to_save=["head"] if train_head else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SapConfig:
+    """One run of the protocol.
+
+    ``blocks``: transformer blocks in the customer's bottom (0 = the embedding layer only).
+    ``eta``: the d_chi level of the privatizer; None sends the bottom's output un-noised (the paper's "None").
+    ``head``: ``"vendor"`` (Algorithm 1: logits go to the customer, dL/dlogits comes back and reveals every
+    label) or ``"customer"`` (the vendor returns the pooled representation h, the customer holds the head and
+    returns dL/dh).
+    ``trainable_bottom``: the customer also trains its bottom, privatizes per batch and gets the cut gradient.
+    ``cti``: exempt the contributing tokens (embedding bottom only); ``exempt_eta`` None releases them exactly,
+    a number gives them that (larger) eta instead. ``cti_share`` caps their share of the training positions.
+    ``seed``: initialisation and batch order (reproducible training); the privatizer's noise is OS-seeded
+    unless ``noise_seed`` is given.
+    """
+
+    blocks: int = 0
+    eta: float | None = None
+    head: HeadPlacement = "vendor"
+    trainable_bottom: bool = False
+    cti: bool = False
+    exempt_eta: float | None = None
+    cti_share: float = 0.01
+    cti_alpha: float = 1.0
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    learning_rate: float = 1e-3
+    bottom_learning_rate: float = 1e-4
+    epochs: int = 3
+    batch_size: int = 32
+    max_length: int = 64
+    seed: int = 0
+    noise_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
+            raise ValueError(f"blocks must be a non-negative integer, got {self.blocks!r}")
+        _check_optional_eta("eta", self.eta)
+        _check_optional_eta("exempt_eta", self.exempt_eta)
+        check_choice("head", self.head, HEAD_PLACEMENTS)
+        if not isinstance(self.trainable_bottom, bool) or not isinstance(self.cti, bool):
+            raise ValueError("trainable_bottom and cti must be booleans")
+        share = self.cti_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not math.isfinite(share) \
+                or not 0 < share < 1:
+            raise ValueError(f"cti_share must be a number in (0, 1), got {share!r}")
+        check_positive_finite("cti_alpha", self.cti_alpha)
+        if self.cti and self.blocks != 0:
+            raise ValueError("cti applies to the embedding bottom only (blocks=0): deeper representations mix tokens")
+        if self.cti and self.eta is None:
+            raise ValueError("cti exempts tokens from noise, so it needs an eta")
+        if self.exempt_eta is not None and self.eta is not None and self.exempt_eta < self.eta:
+            raise ValueError(f"exempt_eta ({self.exempt_eta}) must be at least eta ({self.eta}): CTI reduces noise")
+        if not isinstance(self.lora, LoraSettings):
+            raise ValueError(f"lora must be a LoraSettings, got {type(self.lora).__name__}")
+        check_positive_finite("learning_rate", self.learning_rate)
+        check_positive_finite("bottom_learning_rate", self.bottom_learning_rate)
+        for name in ("epochs", "batch_size", "max_length"):
+            check_positive_int(name, getattr(self, name))
+        _check_seed("seed", self.seed)
+        if self.noise_seed is not None:
+            _check_seed("noise_seed", self.noise_seed)

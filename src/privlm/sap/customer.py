@@ -1,0 +1,261 @@
+"""The customer: keeps its texts, its labels, the bottom model and (optionally) the head; privatizes what it sends.
+
+A frozen bottom privatizes every training example once and uploads it (:meth:`Customer.upload`); a trainable
+bottom privatizes each batch as it is used, so every epoch is a new release of every example. Every release is
+charged to the privacy account (and the ledger, when there is one) before it leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from privlm.accounting import Ledger
+from privlm.mechanisms import Spend, make_generator
+from privlm.models import check_texts
+from privlm.models.partition import BottomModel, make_head
+from privlm.sap.config import SapConfig
+from privlm.sap.cti import CtiReport, contributing_tokens
+from privlm.sap.messages import (
+    CutGradient,
+    Forward,
+    OutputGradient,
+    PrivatizedBatch,
+    ProtocolError,
+    StepDone,
+    TopOutput,
+    Upload,
+    Uploaded,
+    check_tensor,
+)
+from privlm.sap.privatizer import EmbeddingPrivatizer, HiddenStatePrivatizer, Privatizer, Release
+from privlm.sap.transport import Transport
+
+_Reply = TypeVar("_Reply")
+
+
+@dataclass(frozen=True)
+class TokenizedTexts:
+    """Token ids per text (special tokens included, cut to max_length) and how many texts were cut."""
+
+    ids: list[list[int]]
+    truncated: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class PrivacyAccount:
+    """Everything the customer released: eta-tokens spent, positions by treatment, releases per example."""
+
+    eta_tokens: float = 0.0
+    releases: int = 0
+    noised_positions: int = 0
+    exact_positions: int = 0
+    exempt_positions: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def record(self, release: Release) -> None:
+        self.eta_tokens += release.spend.amount
+        self.releases += int(release.released.any(dim=1).sum())
+        self.noised_positions += int(release.noised.sum())
+        self.exact_positions += int(release.exact.sum())
+        self.exempt_positions += int(release.exempt.sum())
+
+    def to_dict(self) -> dict[str, float]:
+        return {"eta_tokens": self.eta_tokens, "example_releases": self.releases,
+                "noised_positions": self.noised_positions, "exact_positions": self.exact_positions,
+                "exempt_positions": self.exempt_positions}
+
+
+def check_labels(labels: Sequence[int] | np.ndarray, *, n: int, n_classes: int) -> torch.Tensor:
+    array = np.asarray(labels)
+    if array.ndim != 1 or array.shape[0] != n:
+        raise ValueError(f"labels must be one id per text ({n}), got shape {array.shape}")
+    if array.dtype.kind not in "iu" or (n and (array.min() < 0 or array.max() >= n_classes)):
+        raise ValueError(f"labels must be integer class ids in [0, {n_classes}) (the head has {n_classes} classes)")
+    return torch.as_tensor(array, dtype=torch.long)
+
+
+class Customer:
+    """The customer's party, driving the protocol through ``transport``."""
+
+    def __init__(self, bottom: BottomModel, tokenizer: PreTrainedTokenizerBase, transport: Transport, *,
+                 config: SapConfig, n_classes: int, ledger: Ledger | None = None, principal: str = "customer",
+                 vendor_fingerprint: str | None = None) -> None:
+        if vendor_fingerprint is not None and vendor_fingerprint != bottom.config.fingerprint:
+            raise ValueError(f"this bottom ({bottom.config.fingerprint[:12]}…) is not the one the vendor's top was "
+                             f"split from ({vendor_fingerprint[:12]}…)")
+        if config.blocks != bottom.depth:
+            raise ValueError(f"config.blocks is {config.blocks} but the bottom has {bottom.depth} blocks")
+        if isinstance(n_classes, bool) or not isinstance(n_classes, int) or n_classes < 2:
+            raise ValueError(f"n_classes must be an integer >= 2, got {n_classes!r}")
+        self.bottom, self.tokenizer, self.transport, self.config = bottom, tokenizer, transport, config
+        self.n_classes, self.ledger, self.principal = n_classes, ledger, principal
+        self.device = bottom.vocabulary.device
+        self.head = make_head(bottom.config.hidden_size, n_classes, seed=config.seed) if config.head == "customer" \
+            else None
+        trainable = list(self.head.parameters()) if self.head is not None else []
+        self.head_optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate) if trainable else None
+        self.bottom.requires_grad_(config.trainable_bottom)
+        self.bottom_optimizer = (torch.optim.AdamW(self.bottom.parameters(), lr=config.bottom_learning_rate)
+                                 if config.trainable_bottom else None)
+        self.generator = make_generator(config.noise_seed, device=self.device)
+        self.cti: CtiReport | None = None
+        self.privatizer: Privatizer = self._make_privatizer(())
+        self.account = PrivacyAccount()
+        self.step = 0
+
+    # --- set-up ---------------------------------------------------------------------------------------------
+    def _make_privatizer(self, exempt: Sequence[int]) -> Privatizer:
+        if self.config.blocks == 0:
+            return EmbeddingPrivatizer(self.bottom.vocabulary, eta=self.config.eta, exempt_ids=exempt,
+                                       exempt_eta=self.config.exempt_eta,
+                                       special_ids=self.tokenizer.all_special_ids)
+        return HiddenStatePrivatizer(eta=self.config.eta)
+
+    def tokenize(self, texts: Sequence[str]) -> TokenizedTexts:
+        """Token ids cut to ``config.max_length``; the number cut is reported, never hidden."""
+        check_texts(texts)
+        if not texts:
+            raise ValueError("texts must not be empty")
+        full = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+        cut = self.tokenizer(list(texts), add_special_tokens=True, truncation=True,
+                             max_length=self.config.max_length)["input_ids"]
+        truncated = sum(len(a) != len(b) for a, b in zip(full, cut, strict=True))
+        return TokenizedTexts(ids=[list(ids) for ids in cut], truncated=truncated)
+
+    def identify_contributing_tokens(self, train: TokenizedTexts, labels: torch.Tensor) -> CtiReport | None:
+        """CTI on the customer's own training data (when ``config.cti``); the exempt list stays here."""
+        if not self.config.cti:
+            return None
+        special = set(self.tokenizer.all_special_ids)
+        self.cti = contributing_tokens([[t for t in ids if t not in special] for ids in train.ids], labels.numpy(),
+                                       vocab_size=self.bottom.config.vocab_size, n_classes=self.n_classes,
+                                       share=self.config.cti_share, alpha=self.config.cti_alpha, ignore_ids=special)
+        self.privatizer = self._make_privatizer(self.cti.exempt_ids)
+        return self.cti
+
+    # --- releases -------------------------------------------------------------------------------------------
+    def _pad(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        length = max(len(row) for row in ids)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(ids), length), pad, dtype=torch.long)
+        mask = torch.zeros((len(ids), length), dtype=torch.long)
+        for i, row in enumerate(ids):
+            input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def _charge(self, spend: Spend, note: str) -> None:
+        if self.ledger is not None and spend.amount > 0:
+            self.ledger.spend(self.principal, spend, note=note)
+
+    def release(self, ids: Sequence[Sequence[int]], example_ids: Sequence[int], *, note: str,
+                keep_graph: bool = False) -> tuple[PrivatizedBatch, torch.Tensor | None, Release]:
+        """Run the bottom on ``ids``, charge the release, privatize. With ``keep_graph`` also return the tensor
+        whose gradient trains the bottom (straight-through the privatizer)."""
+        input_ids, mask = self._pad(ids)
+        self._charge(self.privatizer.spend_of(input_ids, mask), note)
+        with torch.set_grad_enabled(keep_graph):
+            cut = self.bottom(input_ids, mask)
+        release = self.privatizer.privatize(cut, input_ids, mask, generator=self.generator)
+        self.account.record(release)
+        batch = PrivatizedBatch(example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
+                                values=release.values.detach().float().cpu(), attention_mask=mask.cpu())
+        attached = self.privatizer.straight_through(cut, release) if keep_graph else None
+        return batch, attached, release
+
+    def upload(self, train: TokenizedTexts, *, batch_size: int = 256) -> int:
+        """A frozen bottom: privatize every training example once and send it; returns how many the vendor holds."""
+        if self.config.trainable_bottom:
+            raise ValueError("a trainable bottom privatizes per batch; there is nothing to upload")
+        stored = 0
+        for start in range(0, len(train), batch_size):
+            index = list(range(start, min(start + batch_size, len(train))))
+            batch, _, _ = self.release([train.ids[i] for i in index], index, note="sap upload")
+            reply = self._exchange(Upload(batch=batch, bottom_fingerprint=self.bottom.config.fingerprint))
+            if not isinstance(reply, Uploaded):
+                raise ProtocolError(f"the vendor answered an upload with {type(reply).__name__}")
+            stored = reply.stored
+        return stored
+
+    def _exchange(self, message: Upload | Forward | OutputGradient) -> object:
+        return self.transport.exchange(message)
+
+    # --- training and inference -----------------------------------------------------------------------------
+    def _loss_gradient(self, output: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Loss and dL/d(output) for the vendor's output; with the head here, the head's gradient too."""
+        values = output.detach().clone().requires_grad_(True)
+        logits = values if self.head is None else self.head(values)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        loss.backward()
+        assert values.grad is not None
+        return float(loss.detach()), values.grad.detach()
+
+    def train_step(self, train: TokenizedTexts, labels: torch.Tensor, example_ids: Sequence[int]) -> float:
+        """One step of Algorithm 1 on the examples ``example_ids``; returns the batch loss."""
+        attached = batch = None
+        if self.config.trainable_bottom:
+            batch, attached, _ = self.release([train.ids[i] for i in example_ids], example_ids,
+                                              note="sap training batch", keep_graph=True)
+        message = Forward(step=self.step, example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
+                          train=True, bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
+        output = self._expect(self._exchange(message), TopOutput)
+        expected = (len(example_ids), self.n_classes if self.head is None else self.bottom.config.hidden_size)
+        values = check_tensor("values", output.values, shape=expected, dtype=torch.float32)
+        if self.head_optimizer is not None:
+            self.head_optimizer.zero_grad(set_to_none=True)
+        loss, gradient = self._loss_gradient(values, labels[list(example_ids)])
+        reply = self._exchange(OutputGradient(step=self.step, gradient=gradient))
+        self.step += 1  # the vendor has taken this step; the models here change only after its reply is checked
+        cut_gradient = None
+        if attached is not None:
+            cut = self._expect(reply, CutGradient)
+            cut_gradient = check_tensor("gradient", cut.gradient, shape=tuple(attached.shape), dtype=torch.float32)
+        elif not isinstance(reply, StepDone):
+            raise ProtocolError(f"the vendor answered a gradient with {type(reply).__name__}")
+        if self.head_optimizer is not None:
+            self.head_optimizer.step()
+        if attached is not None and cut_gradient is not None and self.bottom_optimizer is not None:
+            self.bottom_optimizer.zero_grad(set_to_none=True)
+            attached.backward(cut_gradient.to(attached))
+            self.bottom_optimizer.step()
+        return loss
+
+    @staticmethod
+    def _expect(reply: object, kind: type[_Reply]) -> _Reply:
+        if not isinstance(reply, kind):
+            raise ProtocolError(f"expected {kind.__name__} from the vendor, got {type(reply).__name__}")
+        return reply
+
+    def predict_released(self, batch: PrivatizedBatch) -> torch.Tensor:
+        """Class probabilities (n, C) for an already released batch (reusing a release costs nothing)."""
+        message = Forward(step=self.step, example_ids=batch.example_ids, train=False,
+                          bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
+        output = self._expect(self._exchange(message), TopOutput)
+        values = output.values
+        with torch.no_grad():
+            logits = values if self.head is None else self.head(values)
+        return torch.softmax(logits.float(), dim=-1)
+
+    def release_for_inference(self, texts: TokenizedTexts, *, batch_size: int = 256) -> list[PrivatizedBatch]:
+        """Privatize texts for inference (charged like any release)."""
+        batches = []
+        for start in range(0, len(texts), batch_size):
+            index = list(range(start, min(start + batch_size, len(texts))))
+            batch, _, _ = self.release([texts.ids[i] for i in index], index, note="sap inference")
+            batches.append(batch)
+        return batches
+
+    def predict(self, texts: TokenizedTexts, *, batch_size: int = 256,
+                released: list[PrivatizedBatch] | None = None) -> torch.Tensor:
+        """Class probabilities (n, C): privatize (or reuse ``released``), ask the vendor, apply the head here."""
+        batches = released if released is not None else self.release_for_inference(texts, batch_size=batch_size)
+        return torch.cat([self.predict_released(batch) for batch in batches])
