@@ -266,3 +266,17 @@ def test_the_command_refuses_bad_flags(args, says, tmp_path):
     assert result.exit_code == 2, (args, result.output)
     assert says in result.output, result.output
     assert not (tmp_path / "results.json").exists()
+
+
+def test_cti_runs_report_the_attack_on_noised_positions_apart():
+    from privlm.eval.sweeps.sap import SapBench, _Sample
+
+    vocabulary = torch.eye(4)
+    true_ids = torch.tensor([[0, 1, 2, 3]])
+    values = torch.stack([vocabulary[0], vocabulary[1], vocabulary[3], vocabulary[2]]).unsqueeze(0)  # 2, 3 swapped
+    sample = _Sample(values=values, true_ids=true_ids, attention_mask=torch.ones(1, 4, dtype=torch.long),
+                     text_mask=torch.tensor([[False, True, True, True]]))  # position 0 is a special token
+    split = SapBench._exempt_split(sample, vocabulary, exempt=torch.tensor([1]))
+    assert split["exempt_positions"] == 1
+    assert split["on_noised_positions"]["trials"] == 2 and split["on_noised_positions"]["rate"] == 0.0
+    assert SapBench._exempt_split(sample, vocabulary, exempt=torch.tensor([], dtype=torch.long)) == {}

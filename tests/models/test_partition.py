@@ -156,6 +156,9 @@ def test_with_classes_the_top_returns_the_heads_logits(tiny: dict[str, PreTraine
 def test_the_head_is_seeded_and_follows_the_models_dtype(tiny: dict[str, PreTrainedModel]) -> None:
     assert torch.equal(make_head(32, 3, seed=5).weight, make_head(32, 3, seed=5).weight)
     assert not torch.equal(make_head(32, 3, seed=5).weight, make_head(32, 3, seed=6).weight)
+    state = torch.random.get_rng_state()
+    make_head(32, 3, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is neither used nor moved
     half: Any = torch.nn.Module.to(_build("bert"), torch.bfloat16)
     ids, mask = _batch(half)
     bottom, top = split_model(half, 1, n_classes=2)

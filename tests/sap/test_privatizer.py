@@ -117,7 +117,7 @@ def test_hidden_release_masks_padding_and_charges_eta_per_real_position():
     assert bool((release.values[real] != h[real]).any(dim=-1).all())  # every real row is noised
     assert torch.equal(release.released, real) and torch.equal(release.noised, real)
     assert not bool(release.exempt.any()) and not bool(release.exact.any())
-    assert release.spend.unit is PrivacyUnit.ETA_TOKEN
+    assert release.spend.unit is PrivacyUnit.ETA_HIDDEN_STATE
     assert release.spend.amount == pytest.approx(2.5 * int(real.sum()))
     assert HiddenStatePrivatizer(eta=2.5).spend_of(torch.zeros_like(mask), mask) == release.spend
 

@@ -15,6 +15,7 @@ from privlm.mechanisms import PrivacyUnit
 from privlm.sap import (
     CutGradient,
     Forward,
+    LoraSettings,
     OutputGradient,
     PrivatizedBatch,
     ProtocolError,
@@ -27,6 +28,7 @@ from privlm.sap import (
     from_bytes,
     to_bytes,
 )
+from privlm.sap.customer import pad_ids
 from privlm.sap.messages import CustomerMessage
 from tests.sap.conftest import LABELS, TEXTS
 
@@ -99,7 +101,7 @@ def test_cut_gradient_is_the_true_gradient_without_noise(make_parts, tiny_bert) 
     parties = connect(parts, config=config, n_classes=2)
     customer = parties.customer
     train = customer.tokenize(TEXTS[:4])
-    ids, mask = customer._pad(train.ids)
+    ids, mask = pad_ids(train.ids, customer.tokenizer.pad_token_id, customer.device)
     reference_top = parties.vendor.model  # LoRA B is zero at init: same function as the plain top
     cut = parts.bottom(ids, mask).detach().requires_grad_(True)
     loss = torch.nn.functional.cross_entropy(reference_top(cut, mask), _labels()[:4])
@@ -216,6 +218,94 @@ def test_bad_forwards_and_uploads_are_refused_without_a_trace(make_parts) -> Non
     assert vendor.uploaded.keys() == stored.keys() and vendor.steps_done == 0
 
 
+def test_forward_ids_must_match_the_batch_and_be_distinct(make_parts) -> None:  # type: ignore[no-untyped-def]
+    parties, _ = _pending_vendor(make_parts)
+    vendor = parties.vendor
+    fingerprint = vendor.top.bottom_fingerprint
+    batch = PrivatizedBatch(torch.tensor([0, 1]), torch.zeros(2, 3, 32), torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ProtocolError, match="the batch's example ids"):
+        vendor.handle(Forward(step=0, example_ids=torch.tensor([0, 2]), train=False, bottom_fingerprint=fingerprint,
+                              batch=batch))
+    with pytest.raises(ProtocolError, match="distinct"):
+        vendor.handle(Forward(step=0, example_ids=torch.tensor([0, 0]), train=False, bottom_fingerprint=fingerprint))
+    with pytest.raises(ProtocolError, match="non-negative"):
+        vendor.handle(Forward(step=-1, example_ids=torch.tensor([0]), train=False, bottom_fingerprint=fingerprint))
+    assert vendor.steps_done == 0
+
+
+class _Tampering:
+    """A transport that hands the customer a doctored reply to one kind of message."""
+
+    def __init__(self, inner, kind: type, doctor) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.kind, self.doctor = inner, kind, doctor
+
+    def exchange(self, message: CustomerMessage) -> object:
+        reply = self.inner.exchange(message)
+        return self.doctor(reply) if isinstance(message, self.kind) else reply
+
+
+def _bad_output(values: torch.Tensor | None = None, **change: object):  # type: ignore[no-untyped-def]
+    def doctor(reply: TopOutput) -> TopOutput:
+        fields = {"step": reply.step, "output": reply.output, "values": reply.values if values is None else values}
+        return TopOutput(**(fields | change))  # type: ignore[arg-type]
+    return doctor
+
+
+@pytest.mark.parametrize(("trainable", "kind", "doctor", "match"), [
+    (False, Forward, _bad_output(torch.zeros(4, 3)), "shape"),
+    (False, Forward, _bad_output(torch.full((4, 2), math.nan)), "NaN"),
+    (False, Forward, _bad_output(torch.zeros(4, 2, dtype=torch.float64)), "dtype"),
+    (False, Forward, _bad_output(step=7), "for step 7"),
+    (False, Forward, _bad_output(output="representation"), "expected logits"),
+    (False, Forward, lambda reply: StepDone(step=reply.step), "expected TopOutput"),
+    (False, OutputGradient, lambda reply: StepDone(step=reply.step + 1), "for step 1"),
+    (False, OutputGradient, lambda reply: CutGradient(step=reply.step, gradient=torch.zeros(1)), "expected StepDone"),
+    (True, OutputGradient, lambda reply: CutGradient(step=reply.step, gradient=reply.gradient[:, :1]), "shape"),
+    (True, OutputGradient, lambda reply: CutGradient(step=reply.step, gradient=reply.gradient * math.inf), "NaN"),
+])
+def test_a_bad_reply_leaves_the_customer_unchanged(make_parts, trainable: bool, kind: type, doctor,  # type: ignore[no-untyped-def]
+                                                   match: str) -> None:
+    config = SapConfig(blocks=1, eta=5.0, trainable_bottom=trainable, noise_seed=0)
+    parties = connect(make_parts(config), config=config, n_classes=2)
+    customer = parties.customer
+    customer.transport = _Tampering(customer.transport, kind, doctor)
+    train = customer.tokenize(TEXTS)
+    if not trainable:
+        customer.upload(train)
+    bottom_before = _frozen_params(customer.bottom)
+    with pytest.raises(ProtocolError, match=match):
+        customer.train_step(train, _labels(), [0, 1, 2, 3])
+    assert not _changed(bottom_before, customer.bottom)  # nothing applied from a reply that failed its checks
+
+
+def test_predictions_check_the_vendors_answer(make_parts) -> None:  # type: ignore[no-untyped-def]
+    config = SapConfig(blocks=0, eta=None, head="customer")
+    parties = connect(make_parts(config), config=config, n_classes=2)
+    customer = parties.customer
+    customer.transport = _Tampering(customer.transport, Forward, _bad_output(torch.zeros(8, 5)))
+    with pytest.raises(ProtocolError, match="shape"):
+        customer.predict(customer.tokenize(TEXTS))
+    customer.transport = _Tampering(customer.transport.inner, Forward, _bad_output(output="logits"))
+    with pytest.raises(ProtocolError, match="expected representation"):
+        customer.predict(customer.tokenize(TEXTS))
+
+
+def test_lora_dropout_is_seeded_and_leaves_the_global_rng_alone(make_parts) -> None:  # type: ignore[no-untyped-def]
+    def adapter_after_training(dropout: float, seed: int) -> dict[str, torch.Tensor]:
+        config = SapConfig(blocks=1, eta=None, seed=seed, lora=LoraSettings(dropout=dropout))
+        parties = connect(make_parts(config), config=config, n_classes=2)
+        _train_steps(parties, steps=3)
+        assert not parties.vendor.model.training  # eval mode outside a training step
+        return parties.vendor.adapter_state()
+
+    global_state = torch.random.get_rng_state()
+    with_dropout = adapter_after_training(0.5, 0)
+    assert torch.equal(torch.random.get_rng_state(), global_state)
+    assert all(torch.equal(v, adapter_after_training(0.5, 0)[k]) for k, v in with_dropout.items())  # reproducible
+    without = adapter_after_training(0.0, 0)
+    assert any(not torch.equal(v, without[k]) for k, v in with_dropout.items())  # the dropout did act
+
+
 def test_messages_round_trip_through_bytes_and_nothing_else_parses() -> None:
     batch = PrivatizedBatch(torch.tensor([3, 4]), torch.randn(2, 3, 8), torch.ones(2, 3, dtype=torch.int64))
     for message in (Upload(batch=batch, bottom_fingerprint="ab"), StepDone(step=2),
@@ -269,7 +359,13 @@ def test_fine_tune_chooses_the_epoch_on_validation_and_counts_what_crossed(make_
     noised = sum(1 for ids in tokens.ids for t in ids if t not in specials)
     assert result.account.noised_positions == noised
     assert result.account.eta_tokens == pytest.approx(50.0 * noised)
-    assert result.traffic.bytes_to_vendor > 0 and result.bytes_per_step() > 0
+    by_purpose = result.traffic.by_purpose
+    assert set(by_purpose) == {"upload", "training", "inference"}
+    assert by_purpose["upload"]["messages"] == 1 and by_purpose["training"]["messages"] == 2 * result.steps
+    assert sum(t["bytes_to_vendor"] + t["bytes_to_customer"] for t in by_purpose.values()) == \
+        result.traffic.bytes_to_vendor + result.traffic.bytes_to_customer
+    assert result.bytes_per_step() == result.traffic.bytes_for("training") / result.steps  # uploads apart
+    assert by_purpose["upload"]["bytes_to_vendor"] > result.bytes_per_step()  # the upload is the whole train set
     assert 0 <= result.vendor_seconds <= result.wall_seconds
 
 
@@ -281,6 +377,8 @@ def test_fine_tune_chooses_the_epoch_on_validation_and_counts_what_crossed(make_
     ({"eta": 5.0, "cti_share": math.nan}, "cti_share"), ({"cti": True}, "needs an eta"),
     ({"eta": 5.0, "cti": True, "blocks": 2}, "embedding bottom"), ({"eta": 5.0, "exempt_eta": 1.0}, "exempt_eta"),
     ({"epochs": 0}, "epochs"), ({"learning_rate": -1.0}, "learning_rate"), ({"seed": -2}, "seed"),
+    ({"eta": 5.0, "exempt_eta": 9.0}, "needs cti=True"), ({"blocks": 1, "clip_norm": 0.0}, "clip_norm"),
+    ({"blocks": 1, "clip_norm": math.inf}, "clip_norm"), ({"blocks": 0, "clip_norm": 5.0}, "blocks >= 1"),
 ])
 def test_bad_config_is_refused(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -16,6 +16,7 @@ mask is given).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import numpy as np
@@ -113,8 +114,10 @@ def attribute_inference(
     ``train_x``/``test_x`` are (n, d) representations, or (n, L, d) token representations that are
     mean-pooled over ``train_mask``/``test_mask`` (n, L). ``seed`` fixes the classifier's own
     randomness (sklearn ``random_state``). ``chance`` = share of test labels equal to the train
-    majority class; ``details`` hold the macro OvR ``auc`` (None when undefined) and the classifier.
+    majority class; ``details`` hold the macro OvR ``auc`` (None when undefined), the classifier and the
+    attack's wall time (``seconds``).
     """
+    start = time.perf_counter()
     check_choice("classifier", classifier, CLASSIFIERS)
     max_iter = check_positive_int("max_iter", max_iter)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -140,6 +143,7 @@ def attribute_inference(
         "n_train": int(x_train.shape[0]),
         "n_classes": int(classes.size),
         "train_majority_class": majority.item() if hasattr(majority, "item") else majority,
+        "seconds": time.perf_counter() - start,
     }
     return AttackResult(name=f"attribute-inference-{classifier}", successes=int((predictions == y_test).sum()),
                         trials=int(y_test.shape[0]), chance=float((y_test == majority).mean()), details=details)

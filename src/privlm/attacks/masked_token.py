@@ -30,6 +30,7 @@ so the right context counts too. The candidate sentences are scored in batched f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from numbers import Integral
 from typing import Any, Literal
@@ -209,6 +210,7 @@ def masked_token_inference(
     """
     from privlm.models import SplitModel
 
+    start = time.perf_counter()
     if isinstance(model, SplitModel):
         tokenizer = tokenizer or model.tokenizer
         model = model.model
@@ -231,7 +233,8 @@ def masked_token_inference(
     rouge = [rouge_l_f1(reference, hypothesis) for reference, hypothesis in units]
     rouge_result = score_result(f"mti-rouge-l-{rouge_on}", rouge, seed=seed)
     details = {"method": method, "rouge_l": rouge_result, "rouge_l_f1": rouge_result.mean, "rouge_on": rouge_on,
-               "predicted_ids": reconstructions, "top_k": top_k if method == "causal-lm-stand-in" else None}
+               "predicted_ids": reconstructions, "top_k": top_k if method == "causal-lm-stand-in" else None,
+               "seconds": time.perf_counter() - start}
     return AttackResult(name=f"mti-{method}", successes=sum(hits), trials=len(hits), chance=None, details=details)
 
 

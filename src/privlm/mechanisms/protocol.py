@@ -31,10 +31,15 @@ class PrivacyUnit(StrEnum):
     ``epsilon``: pure epsilon-DP; releases compose by adding their epsilons.
     ``eta-token``: d_chi releases; each token vector released at level eta adds eta. For two inputs whose
     token rows are at most r apart (L2), a total of E eta-tokens bounds the privacy loss by E * r.
+    ``eta-hidden-state``: d_chi releases of hidden states after one or more transformer blocks (SAP's deeper
+    bottoms); each position released at level eta adds eta, and the distance r is between the two inputs' hidden
+    states, which depend on the whole text and are about ten times the scale of word embeddings. Counted apart
+    from eta-tokens, so that incomparable metrics never add up in one budget.
     """
 
     EPSILON = "epsilon"
     ETA_TOKEN = "eta-token"
+    ETA_HIDDEN_STATE = "eta-hidden-state"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Loading HF models offline and splitting them into a client half and a server half."""
 
 from privlm.models.client import TokenBatch, TokenEmbedder, Tokens, TruncationPolicy, check_texts, model_fingerprint
-from privlm.models.device import resolve_device
+from privlm.models.device import forked_rng, resolve_device
 from privlm.models.loading import load_pretrained, model_family
 from privlm.models.partition import (
     BottomConfig,
@@ -30,6 +30,7 @@ __all__ = [
     "TruncationPolicy",
     "check_texts",
     "cls_pool",
+    "forked_rng",
     "last_token_pool",
     "load_bottom",
     "load_pretrained",

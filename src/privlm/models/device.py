@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -18,3 +21,15 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r} was requested but CUDA is not available on this machine")
     return resolved
+
+
+@contextmanager
+def forked_rng(seed: int, device: str | torch.device = "cpu") -> Iterator[None]:
+    """Run code that can only draw from torch's global RNG (a library's weight init, ``nn.Dropout``) from
+    ``seed``, on the CPU's and ``device``'s generators, and restore both afterwards: the caller's global RNG
+    is neither used nor moved."""
+    resolved = torch.device(device)
+    devices = [resolved] if resolved.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

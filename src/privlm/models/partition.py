@@ -9,9 +9,11 @@ so top(bottom(ids)) is the whole model's pooled output. Both parts are independe
 the bottom holds none of the top's weights, and the vendor exports only the bottom, as safetensors plus a
 config whose ``fingerprint`` (sha256 of the bottom's weights) the top records, so a mismatched pair is refused.
 
-Families: BERT-like encoders (``encoder.layer`` blocks, bidirectional mask) are supported. Decoders need a
-causal mask and, for Llama, rotary position embeddings passed to every block; :data:`ANATOMIES` is where
-they plug in.
+Families: BERT-like encoders (``encoder.layer`` blocks, bidirectional mask) are supported. A family is an
+:class:`Anatomy` in :data:`ANATOMIES`: where its embeddings and blocks live, how its embeddings turn word rows
+into the first hidden states (``embed``), and how a run of its blocks is called (``run_blocks``). GPT-2 plugs in
+with ``wte``/``wpe``/``h`` and a causal mask; Llama with ``embed_tokens``/``layers``, a causal mask and the rotary
+position embeddings that ``run_blocks`` computes once and passes to every block.
 """
 
 from __future__ import annotations
@@ -36,38 +38,17 @@ from privlm.models.pooling import POOLERS, POOLINGS, Pooling
 BOTTOM_WEIGHTS = "bottom.safetensors"
 BOTTOM_CONFIG = "bottom.json"
 BOTTOM_FORMAT = "privlm-sap-bottom/1"
-MaskFn = Callable[[PretrainedConfig, torch.Tensor, torch.Tensor], Any]
+EmbedFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+BlocksFn = Callable[[torch.nn.ModuleList, PretrainedConfig, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Anatomy:
-    """Where one family keeps its parts, as attribute paths from ``model.base_model``."""
-
-    embeddings: str
-    word_embeddings: str
-    blocks: str
-    attention_mask: MaskFn
-
-
-def _bidirectional(config: PretrainedConfig, hidden: torch.Tensor, mask: torch.Tensor) -> Any:
-    return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
-
-
-ANATOMIES: dict[str, Anatomy] = {
-    kind: Anatomy("embeddings", "embeddings.word_embeddings", "encoder.layer", _bidirectional)
-    for kind in ("bert", "roberta", "xlm-roberta", "camembert", "electra")
-}
-
-
-def _anatomy(config: PretrainedConfig) -> Anatomy:
-    if config.model_type not in ANATOMIES:
-        raise ValueError(f"splitting a {config.model_type!r} model at a block is not supported yet; supported: "
-                         f"{', '.join(sorted(ANATOMIES))}")
-    width = getattr(config, "embedding_size", config.hidden_size)
-    if width != config.hidden_size:  # ELECTRA-small: a projection outside the embeddings, not modelled here
-        raise ValueError(f"splitting a {config.model_type!r} model whose embedding size ({width}) differs from its "
-                         f"hidden size ({config.hidden_size}) is not supported yet")
-    return ANATOMIES[config.model_type]
+def _run_bidirectional(layers: torch.nn.ModuleList, config: PretrainedConfig, hidden: torch.Tensor,
+                       attention_mask: torch.Tensor) -> torch.Tensor:
+    """Encoder blocks, each called as ``block(hidden, mask)`` with one bidirectional mask for all."""
+    mask = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask)
+    for block in layers:
+        hidden = block(hidden, mask)
+    return hidden
 
 
 def _embed(embeddings: torch.nn.Module, words: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -82,6 +63,35 @@ def _embed(embeddings: torch.nn.Module, words: torch.Tensor, attention_mask: tor
     padding_idx = int(embeddings.padding_idx)  # type: ignore[arg-type]  # an int attribute of the HF module
     positions = present.cumsum(dim=1) * present + padding_idx
     return embeddings(inputs_embeds=words, position_ids=positions)
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """One family: where it keeps its parts (attribute paths from ``model.base_model``), how its embeddings
+    turn word rows into hidden states, and how a run of its blocks is called."""
+
+    embeddings: str
+    word_embeddings: str
+    blocks: str
+    embed: EmbedFn = _embed
+    run_blocks: BlocksFn = _run_bidirectional
+
+
+ANATOMIES: dict[str, Anatomy] = {
+    kind: Anatomy("embeddings", "embeddings.word_embeddings", "encoder.layer")
+    for kind in ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+}
+
+
+def _anatomy(config: PretrainedConfig) -> Anatomy:
+    if config.model_type not in ANATOMIES:
+        raise ValueError(f"splitting a {config.model_type!r} model at a block is not supported yet; supported: "
+                         f"{', '.join(sorted(ANATOMIES))}")
+    width = getattr(config, "embedding_size", config.hidden_size)
+    if width != config.hidden_size:  # ELECTRA-small: a projection outside the embeddings, not modelled here
+        raise ValueError(f"splitting a {config.model_type!r} model whose embedding size ({width}) differs from its "
+                         f"hidden size ({config.hidden_size}) is not supported yet")
+    return ANATOMIES[config.model_type]
 
 
 def _get(module: torch.nn.Module, path: str) -> Any:
@@ -115,19 +125,16 @@ class BottomConfig:
 
 
 class _Blocks(torch.nn.Module):
-    """A run of transformer blocks with the family's attention mask."""
+    """A run of transformer blocks, called as the family calls them."""
 
-    def __init__(self, blocks: torch.nn.ModuleList, config: PretrainedConfig, mask_fn: MaskFn) -> None:
+    def __init__(self, blocks: torch.nn.ModuleList, config: PretrainedConfig, anatomy: Anatomy) -> None:
         super().__init__()
         self.layer = blocks
         self._config = config
-        self._mask_fn = mask_fn
+        self._run = anatomy.run_blocks
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        mask = self._mask_fn(self._config, hidden, attention_mask)
-        for block in self.layer:
-            hidden = block(hidden, mask)
-        return hidden
+        return self._run(self.layer, self._config, hidden, attention_mask)
 
 
 class BottomModel(torch.nn.Module):
@@ -140,6 +147,7 @@ class BottomModel(torch.nn.Module):
         self.word_embeddings = word_embeddings
         self.embeddings = embeddings  # k >= 1: full embeddings (it owns word_embeddings too)
         self.blocks = blocks
+        self._embed = ANATOMIES[config.model_type].embed
 
     @property
     def depth(self) -> int:
@@ -157,7 +165,7 @@ class BottomModel(torch.nn.Module):
         """The bottom applied to word-embedding rows (or any relaxation of them, for inversion attacks)."""
         if self.embeddings is None or self.blocks is None:
             return word_embeddings
-        hidden = _embed(self.embeddings, word_embeddings, attention_mask)
+        hidden = self._embed(self.embeddings, word_embeddings, attention_mask)
         return self.blocks(hidden, attention_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -179,8 +187,10 @@ class TopModel(torch.nn.Module):
     """The vendor's part: the representation at the cut -> pooled representation h (B, d), or logits with a head."""
 
     def __init__(self, *, blocks: _Blocks, embeddings: torch.nn.Module | None, pooling: Pooling,
-                 bottom_fingerprint: str, depth: int, hidden_size: int, head: torch.nn.Linear | None) -> None:
+                 bottom_fingerprint: str, depth: int, hidden_size: int, head: torch.nn.Linear | None,
+                 embed: EmbedFn = _embed) -> None:
         super().__init__()
+        self._embed = embed
         self.embeddings = embeddings  # k = 0: position/type embeddings and LayerNorm (no word table)
         self.blocks = blocks
         self.pooling = pooling
@@ -195,7 +205,7 @@ class TopModel(torch.nn.Module):
         if cut.shape[-1] != self.hidden_size:
             raise ValueError(f"the cut representation has dimension {cut.shape[-1]}, the top expects "
                              f"{self.hidden_size}")
-        hidden = cut if self.embeddings is None else _embed(self.embeddings, cut, attention_mask)
+        hidden = cut if self.embeddings is None else self._embed(self.embeddings, cut, attention_mask)
         hidden = self.blocks(hidden, attention_mask)
         return POOLERS[self.pooling](hidden, attention_mask)
 
@@ -209,7 +219,7 @@ def make_head(hidden_size: int, n_classes: int, *, seed: int = 0) -> torch.nn.Li
     """The task head: a linear layer d -> classes, initialised from ``seed`` (never the global RNG)."""
     if isinstance(n_classes, bool) or not isinstance(n_classes, int) or n_classes < 2:
         raise ValueError(f"n_classes must be an integer of at least 2, got {n_classes!r}")
-    head = torch.nn.Linear(hidden_size, n_classes)
+    head = torch.nn.utils.skip_init(torch.nn.Linear, hidden_size, n_classes)  # no default init: no global RNG
     generator = torch.Generator().manual_seed(seed)
     bound = 1 / hidden_size**0.5
     with torch.no_grad():
@@ -245,7 +255,7 @@ def split_model(model: PreTrainedModel, blocks: int, *, pooling: Pooling | None 
     else:
         bottom_embeddings = copy.deepcopy(embeddings)
         bottom_word = _get(bottom_embeddings, anatomy.word_embeddings.split(".", 1)[1])
-        bottom_blocks = _Blocks(copy.deepcopy(torch.nn.ModuleList(layers[:blocks])), config, anatomy.attention_mask)
+        bottom_blocks = _Blocks(copy.deepcopy(torch.nn.ModuleList(layers[:blocks])), config, anatomy)
         top_embeddings = None
     bottom_config = BottomConfig(model_name=name or str(config.name_or_path or config.model_type),
                                  model_type=config.model_type, blocks=blocks, total_blocks=total,
@@ -253,14 +263,14 @@ def split_model(model: PreTrainedModel, blocks: int, *, pooling: Pooling | None 
                                  model_config=config.to_dict())
     bottom = BottomModel(bottom_config, bottom_word, bottom_embeddings, bottom_blocks).eval()
     bottom.config = BottomConfig(**{**asdict(bottom_config), "fingerprint": weights_sha256(bottom)})
-    top_blocks = _Blocks(copy.deepcopy(torch.nn.ModuleList(layers[blocks:])), config, anatomy.attention_mask)
+    top_blocks = _Blocks(copy.deepcopy(torch.nn.ModuleList(layers[blocks:])), config, anatomy)
     head = None
     if n_classes is not None:  # on the model's device and dtype, so the top runs where the model does
         head = make_head(config.hidden_size, n_classes, seed=head_seed).to(device=word.weight.device,
                                                                           dtype=word.weight.dtype)
     top = TopModel(blocks=top_blocks, embeddings=top_embeddings, pooling=pooling,
                    bottom_fingerprint=bottom.config.fingerprint, depth=blocks, hidden_size=config.hidden_size,
-                   head=head).eval()
+                   head=head, embed=anatomy.embed).eval()
     return bottom, top
 
 

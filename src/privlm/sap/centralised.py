@@ -19,15 +19,15 @@ import numpy as np
 import torch
 from peft import get_peft_model
 from rich.progress import Progress
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
-from privlm.models import check_texts
-from privlm.models.device import resolve_device
+from privlm.models.device import forked_rng, resolve_device
 from privlm.models.loading import FAMILY_POOLING, load_pretrained
 from privlm.models.partition import make_head
 from privlm.models.pooling import POOLERS, Pooling
 from privlm.sap.config import SapConfig
-from privlm.sap.customer import check_labels
+from privlm.sap.customer import check_every_class_present, check_labels, pad_ids, tokenize_texts
+from privlm.sap.model import dropout_seed, lora_dropout
 
 
 class _Classifier(torch.nn.Module):
@@ -42,26 +42,6 @@ class _Classifier(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(POOLERS[self.pooling](hidden, attention_mask))
-
-
-def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int, what: str
-              ) -> tuple[list[list[int]], int]:
-    check_texts(texts)
-    if not texts:
-        raise ValueError(f"{what} texts must not be empty")
-    full = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-    cut = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
-    return [list(ids) for ids in cut], sum(len(a) != len(b) for a, b in zip(full, cut, strict=True))
-
-
-def _pad(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(row) for row in ids)
-    input_ids = torch.full((len(ids), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), length), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, :len(row)] = 1
-    return input_ids.to(device), mask.to(device)
 
 
 def fine_tune_centralised(model_name: str | Path, *, config: SapConfig, n_classes: int,
@@ -79,31 +59,29 @@ def fine_tune_centralised(model_name: str | Path, *, config: SapConfig, n_classe
     pooling = loaded.sentence_transformer.pooling if loaded.sentence_transformer else FAMILY_POOLING[loaded.family]
     tokenizer, pad_id = loaded.tokenizer, loaded.tokenizer.pad_token_id or 0
     head = make_head(loaded.model.config.hidden_size, n_classes, seed=config.seed).to(resolved)
-    with torch.random.fork_rng(devices=[]):  # LoRA's init, seeded as the vendor's add_lora seeds it
-        torch.manual_seed(config.seed)
+    with forked_rng(config.seed, resolved):  # LoRA's init, seeded as the vendor's add_lora seeds it
         model = get_peft_model(_Classifier(loaded.model, pooling, head), config.lora.peft_config(train_head=True))
-    model.eval()  # frozen layers run without dropout, as at the SAP vendor
+    model.eval()  # the frozen layers' dropout stays off, LoRA's is on per step: as at the SAP vendor
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
 
-    train, cut_train = _tokenize(tokenizer, train_texts, config.max_length, "train")
+    tokens = tokenize_texts(tokenizer, train_texts, config.max_length, what="train texts")
+    train, cut_train = tokens.ids, tokens.truncated
     labels = check_labels(train_labels, n=len(train), n_classes=n_classes)
-    empty = [c for c in range(n_classes) if not bool((labels == c).any())]
-    if empty:
-        raise ValueError(f"class {empty[0]} has no training examples (of {n_classes} classes): the head cannot learn"
-                         " it")
+    check_every_class_present(labels, n_classes)
     held_out = {"validation": (validation_texts, validation_labels)}
     if test_texts is not None:
         held_out["test"] = (test_texts, test_labels if test_labels is not None else [])
     scored = {}
     truncated = {"train": cut_train}
     for name, (texts, split_labels) in held_out.items():
-        ids, truncated[name] = _tokenize(tokenizer, texts, config.max_length, name)
+        held = tokenize_texts(tokenizer, texts, config.max_length, what=f"{name} texts")
+        ids, truncated[name] = held.ids, held.truncated
         scored[name] = (ids, check_labels(split_labels, n=len(ids), n_classes=n_classes))
 
     @torch.no_grad()
     def accuracy(name: str) -> float:
         ids, truth = scored[name]
-        predicted = torch.cat([model(*_pad(ids[i:i + 256], pad_id, resolved)).argmax(-1).cpu()
+        predicted = torch.cat([model(*pad_ids(ids[i:i + 256], pad_id, resolved)).argmax(-1).cpu()
                                for i in range(0, len(ids), 256)])
         return float((predicted == truth).float().mean())
 
@@ -116,7 +94,12 @@ def fine_tune_centralised(model_name: str | Path, *, config: SapConfig, n_classe
             permutation, losses = order.permutation(len(train)), []
             for first in range(0, len(train), config.batch_size):
                 batch = permutation[first:first + config.batch_size].tolist()
-                logits = model(*_pad([train[i] for i in batch], pad_id, resolved))
+                inputs = pad_ids([train[i] for i in batch], pad_id, resolved)
+                if config.lora.dropout > 0:
+                    with lora_dropout(model, seed=dropout_seed(config.seed, steps), device=resolved):
+                        logits = model(*inputs)
+                else:
+                    logits = model(*inputs)
                 loss = torch.nn.functional.cross_entropy(logits, labels[batch].to(resolved))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

@@ -26,7 +26,11 @@ def _check_seed(name: str, value: object) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class LoraSettings:
-    """LoRA on the vendor's top model (through ``peft``). BERT's default targets are ``query`` and ``value``."""
+    """LoRA on the vendor's top model (through ``peft``). BERT's default targets are ``query`` and ``value``.
+
+    ``dropout`` acts on LoRA's input during training steps only, with masks drawn from the vendor's seed and the
+    step number (a retried step draws the same masks); the frozen layers' own dropout stays off.
+    """
 
     rank: int = 8
     alpha: int = 16
@@ -55,12 +59,15 @@ class SapConfig:
 
     ``blocks``: transformer blocks in the customer's bottom (0 = the embedding layer only).
     ``eta``: the d_chi level of the privatizer; None sends the bottom's output un-noised (the paper's "None").
-    ``head``: ``"vendor"`` (Algorithm 1: logits go to the customer, dL/dlogits comes back and reveals every
-    label) or ``"customer"`` (the vendor returns the pooled representation h, the customer holds the head and
-    returns dL/dh).
+    ``head``: ``"vendor"`` (the default, Algorithm 1: logits go to the customer, dL/dlogits comes back and
+    reveals every training label to the vendor) or ``"customer"`` (the vendor returns the pooled representation
+    h, the customer holds the head and returns dL/dh).
     ``trainable_bottom``: the customer also trains its bottom, privatizes per batch and gets the cut gradient.
     ``cti``: exempt the contributing tokens (embedding bottom only); ``exempt_eta`` None releases them exactly,
     a number gives them that (larger) eta instead. ``cti_share`` caps their share of the training positions.
+    ``clip_norm``: a deeper bottom (blocks >= 1) only: clip each hidden state to this L2 norm before the noise,
+    so any two positions are at most 2 * clip_norm apart and each release is (2 * clip_norm * eta)-DP per position;
+    None (the paper's setting) leaves hidden states unbounded, and the d_chi guarantee is then in their distance.
     ``seed``: initialisation and batch order (reproducible training); the privatizer's noise is OS-seeded
     unless ``noise_seed`` is given.
     """
@@ -71,6 +78,7 @@ class SapConfig:
     trainable_bottom: bool = False
     cti: bool = False
     exempt_eta: float | None = None
+    clip_norm: float | None = None
     cti_share: float = 0.01
     cti_alpha: float = 1.0
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -99,6 +107,13 @@ class SapConfig:
             raise ValueError("cti applies to the embedding bottom only (blocks=0): deeper representations mix tokens")
         if self.cti and self.eta is None:
             raise ValueError("cti exempts tokens from noise, so it needs an eta")
+        if self.exempt_eta is not None and not self.cti:
+            raise ValueError("exempt_eta is the eta of CTI's exempt tokens; it needs cti=True")
+        if self.clip_norm is not None:
+            check_positive_finite("clip_norm", self.clip_norm)
+            if self.blocks == 0:
+                raise ValueError("clip_norm applies to hidden states (blocks >= 1); the embedding bottom releases "
+                                 "vocabulary rows, bounded already")
         if self.exempt_eta is not None and self.eta is not None and self.exempt_eta < self.eta:
             raise ValueError(f"exempt_eta ({self.exempt_eta}) must be at least eta ({self.eta}): CTI reduces noise")
         if not isinstance(self.lora, LoraSettings):

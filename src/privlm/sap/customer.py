@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from privlm.accounting import Ledger
-from privlm.mechanisms import Spend, make_generator
+from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models import check_texts
 from privlm.models.partition import BottomModel, make_head
 from privlm.sap.config import SapConfig
@@ -36,7 +36,7 @@ from privlm.sap.messages import (
 from privlm.sap.privatizer import EmbeddingPrivatizer, HiddenStatePrivatizer, Privatizer, Release
 from privlm.sap.transport import Transport
 
-_Reply = TypeVar("_Reply")
+_Reply = TypeVar("_Reply", TopOutput, CutGradient, StepDone)
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class PrivacyAccount:
     """Everything the customer released: eta-tokens spent, positions by treatment, releases per example."""
 
     eta_tokens: float = 0.0
+    unit: str = PrivacyUnit.ETA_TOKEN.value  # eta-hidden-state for a deeper bottom: never added to eta-tokens
     releases: int = 0
     noised_positions: int = 0
     exact_positions: int = 0
@@ -62,14 +63,17 @@ class PrivacyAccount:
     notes: list[str] = field(default_factory=list)
 
     def record(self, release: Release) -> None:
+        if self.releases and release.spend.unit.value != self.unit:
+            raise ValueError(f"this account counts {self.unit}, not {release.spend.unit.value}")
+        self.unit = release.spend.unit.value
         self.eta_tokens += release.spend.amount
         self.releases += int(release.released.any(dim=1).sum())
         self.noised_positions += int(release.noised.sum())
         self.exact_positions += int(release.exact.sum())
         self.exempt_positions += int(release.exempt.sum())
 
-    def to_dict(self) -> dict[str, float]:
-        return {"eta_tokens": self.eta_tokens, "example_releases": self.releases,
+    def to_dict(self) -> dict[str, float | str]:
+        return {"eta_tokens": self.eta_tokens, "unit": self.unit, "example_releases": self.releases,
                 "noised_positions": self.noised_positions, "exact_positions": self.exact_positions,
                 "exempt_positions": self.exempt_positions}
 
@@ -81,6 +85,38 @@ def check_labels(labels: Sequence[int] | np.ndarray, *, n: int, n_classes: int) 
     if array.dtype.kind not in "iu" or (n and (array.min() < 0 or array.max() >= n_classes)):
         raise ValueError(f"labels must be integer class ids in [0, {n_classes}) (the head has {n_classes} classes)")
     return torch.as_tensor(array, dtype=torch.long)
+
+
+def check_every_class_present(labels: torch.Tensor, n_classes: int) -> None:
+    """Training labels must hold every class: a class with no example is one the head cannot learn."""
+    counts = torch.bincount(labels, minlength=n_classes)
+    empty = [c for c in range(n_classes) if counts[c] == 0]
+    if empty:
+        raise ValueError(f"class {empty[0]} has no training examples (of {n_classes} classes): the head cannot learn"
+                         " it")
+
+
+def tokenize_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int, *,
+                   what: str = "texts") -> TokenizedTexts:
+    """Token ids cut to ``max_length`` (special tokens included); the number of texts cut is reported."""
+    check_texts(texts)
+    if not texts:
+        raise ValueError(f"{what} must not be empty")
+    full = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    cut = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+    truncated = sum(len(a) != len(b) for a, b in zip(full, cut, strict=True))
+    return TokenizedTexts(ids=[list(ids) for ids in cut], truncated=truncated)
+
+
+def pad_ids(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids (B, L) and their attention mask, on ``device``."""
+    length = max(len(row) for row in ids)
+    input_ids = torch.full((len(ids), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), length), dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return input_ids.to(device), mask.to(device)
 
 
 class Customer:
@@ -118,18 +154,11 @@ class Customer:
             return EmbeddingPrivatizer(self.bottom.vocabulary, eta=self.config.eta, exempt_ids=exempt,
                                        exempt_eta=self.config.exempt_eta,
                                        special_ids=self.tokenizer.all_special_ids)
-        return HiddenStatePrivatizer(eta=self.config.eta)
+        return HiddenStatePrivatizer(eta=self.config.eta, clip_norm=self.config.clip_norm)
 
     def tokenize(self, texts: Sequence[str]) -> TokenizedTexts:
         """Token ids cut to ``config.max_length``; the number cut is reported, never hidden."""
-        check_texts(texts)
-        if not texts:
-            raise ValueError("texts must not be empty")
-        full = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-        cut = self.tokenizer(list(texts), add_special_tokens=True, truncation=True,
-                             max_length=self.config.max_length)["input_ids"]
-        truncated = sum(len(a) != len(b) for a, b in zip(full, cut, strict=True))
-        return TokenizedTexts(ids=[list(ids) for ids in cut], truncated=truncated)
+        return tokenize_texts(self.tokenizer, texts, self.config.max_length)
 
     def identify_contributing_tokens(self, train: TokenizedTexts, labels: torch.Tensor) -> CtiReport | None:
         """CTI on the customer's own training data (when ``config.cti``); the exempt list stays here."""
@@ -143,16 +172,6 @@ class Customer:
         return self.cti
 
     # --- releases -------------------------------------------------------------------------------------------
-    def _pad(self, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        length = max(len(row) for row in ids)
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(ids), length), pad, dtype=torch.long)
-        mask = torch.zeros((len(ids), length), dtype=torch.long)
-        for i, row in enumerate(ids):
-            input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, :len(row)] = 1
-        return input_ids.to(self.device), mask.to(self.device)
-
     def _charge(self, spend: Spend, note: str) -> None:
         if self.ledger is not None and spend.amount > 0:
             self.ledger.spend(self.principal, spend, note=note)
@@ -161,7 +180,7 @@ class Customer:
                 keep_graph: bool = False) -> tuple[PrivatizedBatch, torch.Tensor | None, Release]:
         """Run the bottom on ``ids``, charge the release, privatize. With ``keep_graph`` also return the tensor
         whose gradient trains the bottom (straight-through the privatizer)."""
-        input_ids, mask = self._pad(ids)
+        input_ids, mask = pad_ids(ids, self.tokenizer.pad_token_id or 0, self.device)
         self._charge(self.privatizer.spend_of(input_ids, mask), note)
         with torch.set_grad_enabled(keep_graph):
             cut = self.bottom(input_ids, mask)
@@ -183,6 +202,9 @@ class Customer:
             reply = self._exchange(Upload(batch=batch, bottom_fingerprint=self.bottom.config.fingerprint))
             if not isinstance(reply, Uploaded):
                 raise ProtocolError(f"the vendor answered an upload with {type(reply).__name__}")
+            if isinstance(reply.stored, bool) or not isinstance(reply.stored, int) or reply.stored < index[-1] + 1:
+                raise ProtocolError(f"the vendor says it holds {reply.stored!r} examples after {index[-1] + 1} were "
+                                    "sent")
             stored = reply.stored
         return stored
 
@@ -207,9 +229,7 @@ class Customer:
                                               note="sap training batch", keep_graph=True)
         message = Forward(step=self.step, example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
                           train=True, bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
-        output = self._expect(self._exchange(message), TopOutput)
-        expected = (len(example_ids), self.n_classes if self.head is None else self.bottom.config.hidden_size)
-        values = check_tensor("values", output.values, shape=expected, dtype=torch.float32)
+        values = self._output_values(self._exchange(message), len(example_ids))
         if self.head_optimizer is not None:
             self.head_optimizer.zero_grad(set_to_none=True)
         loss, gradient = self._loss_gradient(values, labels[list(example_ids)])
@@ -217,10 +237,10 @@ class Customer:
         self.step += 1  # the vendor has taken this step; the models here change only after its reply is checked
         cut_gradient = None
         if attached is not None:
-            cut = self._expect(reply, CutGradient)
+            cut = self._expect(reply, CutGradient, step=self.step - 1)
             cut_gradient = check_tensor("gradient", cut.gradient, shape=tuple(attached.shape), dtype=torch.float32)
-        elif not isinstance(reply, StepDone):
-            raise ProtocolError(f"the vendor answered a gradient with {type(reply).__name__}")
+        else:
+            self._expect(reply, StepDone, step=self.step - 1)
         if self.head_optimizer is not None:
             self.head_optimizer.step()
         if attached is not None and cut_gradient is not None and self.bottom_optimizer is not None:
@@ -230,17 +250,29 @@ class Customer:
         return loss
 
     @staticmethod
-    def _expect(reply: object, kind: type[_Reply]) -> _Reply:
+    def _expect(reply: object, kind: type[_Reply], *, step: int) -> _Reply:
+        """``reply`` if it is a ``kind`` for ``step``: a reply to another step is refused, never applied."""
         if not isinstance(reply, kind):
             raise ProtocolError(f"expected {kind.__name__} from the vendor, got {type(reply).__name__}")
+        if reply.step != step:
+            raise ProtocolError(f"the vendor answered step {step} with a {kind.__name__} for step {reply.step}")
         return reply
+
+    def _output_values(self, reply: object, rows: int) -> torch.Tensor:
+        """The top's output for ``rows`` examples: logits (rows, C), or the representation (rows, d) when the head
+        is here; checked like any message from the other party (kind, step, shape, dtype, finiteness)."""
+        output = self._expect(reply, TopOutput, step=self.step)
+        expected_kind = "logits" if self.head is None else "representation"
+        if output.output != expected_kind:
+            raise ProtocolError(f"expected {expected_kind} from the vendor, got {output.output}")
+        width = self.n_classes if self.head is None else self.bottom.config.hidden_size
+        return check_tensor("values", output.values, shape=(rows, width), dtype=torch.float32)
 
     def predict_released(self, batch: PrivatizedBatch) -> torch.Tensor:
         """Class probabilities (n, C) for an already released batch (reusing a release costs nothing)."""
         message = Forward(step=self.step, example_ids=batch.example_ids, train=False,
                           bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
-        output = self._expect(self._exchange(message), TopOutput)
-        values = output.values
+        values = self._output_values(self._exchange(message), len(batch.example_ids))
         with torch.no_grad():
             logits = values if self.head is None else self.head(values)
         return torch.softmax(logits.float(), dim=-1)

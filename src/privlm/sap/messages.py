@@ -46,7 +46,7 @@ def check_tensor(name: str, value: object, *, shape: tuple[int | None, ...],
     return value
 
 
-def _check_step(step: object) -> int:
+def check_step(step: object) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
     return step

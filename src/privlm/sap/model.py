@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedTokenizerBase
 
-from privlm.models.device import resolve_device
+from privlm.models.device import forked_rng, resolve_device
 from privlm.models.loading import load_pretrained
 from privlm.models.partition import BottomModel, TopModel, split_model
 from privlm.sap.config import LoraSettings, SapConfig
@@ -40,8 +43,28 @@ def split_pretrained(name_or_path: str | Path = "minilm", *, config: SapConfig, 
 def add_lora(top: TopModel, settings: LoraSettings, *, seed: int = 0) -> PeftModel:
     """Wrap ``top`` with LoRA adapters (peft); LoRA's random init is drawn under a forked, seeded RNG, so the
     global RNG is neither used nor moved."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with forked_rng(seed, next(top.parameters()).device):
         return get_peft_model(top, settings.peft_config(train_head=top.head is not None))
+
+
+@contextmanager
+def lora_dropout(model: torch.nn.Module, *, seed: int, device: torch.device) -> Iterator[None]:
+    """Switch LoRA's dropout on for one training forward pass, drawing its masks from ``seed`` (the model stays in
+    eval mode otherwise: the frozen layers' own dropout stays off). The masks live in the autograd graph, so the
+    backward pass needs no RNG."""
+    dropouts = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "lora_dropout"]
+    for module in dropouts:
+        module.train()
+    try:
+        with forked_rng(seed, device):
+            yield
+    finally:
+        for module in dropouts:
+            module.eval()
+
+
+def dropout_seed(seed: int, step: int) -> int:
+    """The seed of LoRA's dropout masks at ``step``: a step replayed (a retry) draws the same masks."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 

@@ -117,7 +117,8 @@ class HiddenStatePrivatizer:
         self.clip_norm = None if clip_norm is None else check_positive_finite("clip_norm", clip_norm)
 
     def spend_of(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Spend:
-        return Spend(PrivacyUnit.ETA_TOKEN, 0.0 if self.eta is None else self.eta * int(attention_mask.bool().sum()))
+        amount = 0.0 if self.eta is None else self.eta * int(attention_mask.bool().sum())
+        return Spend(PrivacyUnit.ETA_HIDDEN_STATE, amount)
 
     def _noisy(self, cut: torch.Tensor, real: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         values = clip_to_norm(cut, max_norm=self.clip_norm) if self.clip_norm is not None else cut

@@ -19,7 +19,7 @@ import torch
 from privlm.accounting import Ledger
 from privlm.sap.config import SapConfig
 from privlm.sap.cti import CtiReport
-from privlm.sap.customer import Customer, PrivacyAccount, check_labels
+from privlm.sap.customer import Customer, PrivacyAccount, check_every_class_present, check_labels
 from privlm.sap.messages import PrivatizedBatch
 from privlm.sap.model import SplitParts
 from privlm.sap.transport import InProcessTransport, Observer, Traffic
@@ -93,8 +93,9 @@ class FitResult:
                 "cti": None if self.cti is None else self.cti.to_dict(), "truncated": self.truncated}
 
     def bytes_per_step(self) -> float:
-        """All payload bytes both ways (uploads and inference included) divided by the training steps."""
-        return (self.traffic.bytes_to_vendor + self.traffic.bytes_to_customer) / max(self.steps, 1)
+        """Payload bytes both ways of the training steps (forward passes, outputs, gradients) per step; a frozen
+        bottom's one-off upload and the inference traffic are in ``traffic.by_purpose``."""
+        return self.traffic.bytes_for("training") / max(self.steps, 1)
 
 
 def _accuracy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
@@ -114,14 +115,6 @@ class _HeldOut:
         if self.released is None or self.customer.config.trainable_bottom:
             self.released = self.customer.release_for_inference(self.tokens)
         return _accuracy(self.customer.predict(self.tokens, released=self.released), self.labels)
-
-
-def _check_classes(labels: torch.Tensor, n_classes: int) -> None:
-    counts = torch.bincount(labels, minlength=n_classes)
-    empty = [c for c in range(n_classes) if counts[c] == 0]
-    if empty:
-        raise ValueError(f"class {empty[0]} has no training examples (of {n_classes} classes): the head cannot learn"
-                         " it")
 
 
 @dataclass
@@ -161,7 +154,7 @@ def fine_tune(parties: Parties, train_texts: Sequence[str], train_labels: Sequen
     start = time.perf_counter()
     train = customer.tokenize(train_texts)
     labels = check_labels(train_labels, n=len(train), n_classes=customer.n_classes)
-    _check_classes(labels, customer.n_classes)
+    check_every_class_present(labels, customer.n_classes)
     cti = customer.identify_contributing_tokens(train, labels)
     validation = _HeldOut(customer, validation_texts, validation_labels, customer.n_classes)
     test = None if test_texts is None else _HeldOut(customer, test_texts, test_labels, customer.n_classes)

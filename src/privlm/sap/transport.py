@@ -8,10 +8,10 @@ real payload sizes. An HTTP transport (issue 14) implements the same ``exchange`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
-from privlm.sap.messages import CustomerMessage, VendorMessage, from_bytes, to_bytes
+from privlm.sap.messages import CustomerMessage, Forward, Upload, VendorMessage, from_bytes, to_bytes
 from privlm.sap.vendor import Vendor
 
 
@@ -19,18 +19,48 @@ class Transport(Protocol):
     def exchange(self, message: CustomerMessage) -> VendorMessage: ...
 
 
+Purpose = Literal["upload", "training", "inference"]
+
+
+def purpose_of(message: CustomerMessage) -> Purpose:
+    """What a message is for: a frozen bottom's upload, a training step (its forward pass and its gradient), or
+    inference (a validation, test or user prediction)."""
+    if isinstance(message, Upload):
+        return "upload"
+    if isinstance(message, Forward) and not message.train:
+        return "inference"
+    return "training"
+
+
 @dataclass
 class Traffic:
-    """What crossed: messages and payload bytes each way, and the time the vendor spent answering."""
+    """What crossed: messages and payload bytes each way, by purpose, and the time the vendor spent answering."""
 
     messages: int = 0
     bytes_to_vendor: int = 0
     bytes_to_customer: int = 0
     vendor_seconds: float = 0.0
+    by_purpose: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, float]:
+    def count(self, purpose: Purpose, *, to_vendor: int, to_customer: int) -> None:
+        """One exchange: ``to_vendor`` bytes out, ``to_customer`` bytes back."""
+        self.messages += 1
+        self.bytes_to_vendor += to_vendor
+        self.bytes_to_customer += to_customer
+        tally = self.by_purpose.setdefault(purpose, {"messages": 0, "bytes_to_vendor": 0, "bytes_to_customer": 0})
+        tally["messages"] += 1
+        tally["bytes_to_vendor"] += to_vendor
+        tally["bytes_to_customer"] += to_customer
+
+    def bytes_for(self, purpose: Purpose) -> int:
+        """Payload bytes both ways for one purpose."""
+        tally = self.by_purpose.get(purpose, {})
+        return tally.get("bytes_to_vendor", 0) + tally.get("bytes_to_customer", 0)
+
+    def to_dict(self) -> dict[str, Any]:
         return {"messages": self.messages, "bytes_to_vendor": self.bytes_to_vendor,
-                "bytes_to_customer": self.bytes_to_customer, "vendor_seconds": self.vendor_seconds}
+                "bytes_to_customer": self.bytes_to_customer, "vendor_seconds": self.vendor_seconds,
+                "by_purpose": {k: dict(v) for k, v in sorted(self.by_purpose.items())}}
 
 
 Observer = Callable[[CustomerMessage], None]
@@ -47,13 +77,11 @@ class InProcessTransport:
     def exchange(self, message: CustomerMessage) -> VendorMessage:
         outgoing = to_bytes(message)
         received = from_bytes(outgoing)
-        self.traffic.messages += 1
-        self.traffic.bytes_to_vendor += len(outgoing)
         if self.observer is not None:
             self.observer(received)  # type: ignore[arg-type]
         before = self.vendor.seconds
         reply = self.vendor.handle(received)  # type: ignore[arg-type]
         self.traffic.vendor_seconds += self.vendor.seconds - before
         answer = to_bytes(reply)
-        self.traffic.bytes_to_customer += len(answer)
+        self.traffic.count(purpose_of(message), to_vendor=len(outgoing), to_customer=len(answer))
         return from_bytes(answer)  # type: ignore[return-value]

@@ -30,9 +30,10 @@ from privlm.sap.messages import (
     Upload,
     Uploaded,
     VendorMessage,
+    check_step,
     check_tensor,
 )
-from privlm.sap.model import add_lora
+from privlm.sap.model import add_lora, dropout_seed, lora_dropout
 
 
 @dataclass
@@ -50,8 +51,10 @@ class Vendor:
         if hasattr(top, "peft_config"):
             raise ValueError("this top already carries LoRA adapters (a top serves one vendor); split the model again")
         self.top = top
-        self.model = add_lora(top, lora or LoraSettings(), seed=seed)
-        self.model.eval()  # frozen layers run without dropout: deterministic, and no global RNG
+        self.lora = lora or LoraSettings()
+        self.model = add_lora(top, self.lora, seed=seed)
+        self.model.eval()  # the frozen layers' own dropout stays off; LoRA's is switched on per training step
+        self.seed = seed
         self.send_cut_gradient = send_cut_gradient
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate)
         self.device = next(top.parameters()).device
@@ -95,6 +98,8 @@ class Vendor:
         return Uploaded(stored=len(self.uploaded))
 
     def _stored_batch(self, example_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(set(example_ids.tolist())) != example_ids.numel():
+            raise ProtocolError("example_ids must be distinct", limit="example_ids")
         missing = [i for i in example_ids.tolist() if i not in self.uploaded]
         if missing:
             raise ProtocolError(f"example_ids {missing[:5]} were never uploaded", status=404, limit="example_ids")
@@ -116,12 +121,13 @@ class Vendor:
                 raise ProtocolError("example_ids must not be empty")
             return self._stored_batch(ids)
         batch = message.batch.check(hidden_size=self.top.hidden_size)
+        if not torch.equal(check_tensor("example_ids", message.example_ids, shape=(None,), dtype=torch.int64),
+                           batch.example_ids):
+            raise ProtocolError("example_ids must be the batch's example ids", limit="example_ids")
         return batch.values, batch.attention_mask
 
     def forward(self, message: Forward) -> TopOutput:
-        step = message.step
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ProtocolError(f"step must be an integer, got {step!r}")
+        step = check_step(message.step)
         if message.train and step != self.steps_done:
             raise ProtocolError(f"training step {step} is out of order: the next step is {self.steps_done}",
                                 status=409, limit="step")
@@ -132,7 +138,11 @@ class Vendor:
                 output = self.model(values, mask)
             return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
         cut = values.clone().requires_grad_(self.send_cut_gradient)
-        output = self.model(cut, mask)
+        if self.lora.dropout > 0:
+            with lora_dropout(self.model, seed=dropout_seed(self.seed, step), device=self.device):
+                output = self.model(cut, mask)
+        else:
+            output = self.model(cut, mask)
         self._pending = _Pending(step=step, output=output, cut=cut if self.send_cut_gradient else None)
         return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
 
