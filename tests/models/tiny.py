@@ -92,3 +92,20 @@ def train_tiny_denoiser(model: SplitModel, out_dir: Path, *, variant: str = "snd
     corpus = [f"the cat sat on the mat w{i}" for i in range(60)]
     DenoiserTrainer(model, corpus, config=config, out_dir=out_dir, console=Console(quiet=True)).train()
     return out_dir
+
+
+def tiny_bert_with_minilm_tokenizer(folder: Path, *, blocks: int) -> Path:
+    """A saved random BERT of ``blocks`` blocks (width 32, 64 positions) with MiniLM's real tokenizer, loadable by
+    name like a packaged model: real text tokenizes as it would for MiniLM, and the model runs in milliseconds."""
+    from transformers import AutoTokenizer
+
+    from privlm.models.sources import minilm_source
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_source().path, local_files_only=True)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=blocks,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -273,9 +273,13 @@ def test_a_bad_reply_leaves_the_customer_unchanged(make_parts, trainable: bool, 
     if not trainable:
         customer.upload(train)
     bottom_before = _frozen_params(customer.bottom)
+    state = customer.state()
     with pytest.raises(ProtocolError, match=match):
         customer.train_step(train, _labels(), [0, 1, 2, 3])
-    assert not _changed(bottom_before, customer.bottom)  # nothing applied from a reply that failed its checks
+    # nothing applied from a reply that failed its checks: models, optimisers and step as they were
+    assert not _changed(bottom_before, customer.bottom) and customer.step == state.step == 0
+    after = customer.state()
+    assert after.bottom_optimizer == state.bottom_optimizer and after.head_optimizer == state.head_optimizer
 
 
 def test_predictions_check_the_vendors_answer(make_parts) -> None:  # type: ignore[no-untyped-def]

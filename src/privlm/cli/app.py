@@ -72,5 +72,6 @@ def bench_report(directory: Annotated[Path, typer.Argument(help="A folder holdin
     if not (directory / "results.json").exists():
         raise typer.BadParameter(f"{directory} has no results.json")
     entry = sweep_entry(json.loads((directory / "results.json").read_text())["metadata"]["sweep"])
-    files = [*render_report(directory, known=entry.methods), *entry.extra_reports(directory)]
+    files = entry.render(directory) if entry.render is not None else \
+        [*render_report(directory, known=entry.methods), *entry.extra_reports(directory)]
     console.print(f"Wrote {', '.join(str(f) for f in files)}")

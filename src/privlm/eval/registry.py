@@ -18,11 +18,13 @@ _SWEEPS: dict[str, SweepEntry] = {}
 
 @dataclass(frozen=True)
 class SweepEntry:
-    """A named sweep: its known methods (to read older results) and any reports beyond results.md."""
+    """A named sweep: its known methods (to read older results) and any reports beyond results.md; a sweep whose
+    results are not points on a privacy level renders all of its reports itself (``render``)."""
 
     name: str
     methods: Sequence[Method]
     extra_reports: Callable[[Path], list[Path]] = field(default=lambda _: [])
+    render: Callable[[Path], list[Path]] | None = None  # a sweep with its own report: instead of the generic one
 
 
 def register(entry: SweepEntry) -> SweepEntry:

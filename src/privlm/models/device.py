@@ -26,10 +26,11 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 @contextmanager
 def forked_rng(seed: int, device: str | torch.device = "cpu") -> Iterator[None]:
     """Run code that can only draw from torch's global RNG (a library's weight init, ``nn.Dropout``) from
-    ``seed``, on the CPU's and ``device``'s generators, and restore both afterwards: the caller's global RNG
+    ``seed``, and restore the CPU's generator and, on CUDA, every device's afterwards: the caller's global RNG
     is neither used nor moved."""
     resolved = torch.device(device)
-    devices = [resolved] if resolved.type == "cuda" else []
+    # manual_seed reseeds every CUDA device: fork them all, so that each is restored
+    devices = list(range(torch.cuda.device_count())) if resolved.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield

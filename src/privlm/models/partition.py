@@ -11,9 +11,11 @@ config whose ``fingerprint`` (sha256 of the bottom's weights) the top records, s
 
 Families: BERT-like encoders (``encoder.layer`` blocks, bidirectional mask) are supported. A family is an
 :class:`Anatomy` in :data:`ANATOMIES`: where its embeddings and blocks live, how its embeddings turn word rows
-into the first hidden states (``embed``), and how a run of its blocks is called (``run_blocks``). GPT-2 plugs in
-with ``wte``/``wpe``/``h`` and a causal mask; Llama with ``embed_tokens``/``layers``, a causal mask and the rotary
-position embeddings that ``run_blocks`` computes once and passes to every block.
+into the first hidden states (``embed``), and how a run of its blocks is called (``run_blocks``: a causal mask
+for decoders, and for Llama the rotary position embeddings, computed once and passed to every block). What GPT-2
+and Llama need besides: :func:`split_model` takes the word table from inside the embeddings module, and theirs
+sits beside it (``wte``/``wpe``; ``embed_tokens`` with no embeddings module), so the cut of the embeddings has to
+become a hook of the family too.
 """
 
 from __future__ import annotations

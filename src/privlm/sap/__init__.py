@@ -3,7 +3,8 @@
 The vendor cuts its model (:func:`split_pretrained`), keeps the top and trains LoRA on it; the customer gets only
 the bottom, keeps its texts and labels, and sends privatized representations. The protocol (Algorithm 1 of the
 paper) runs between :class:`Customer` and :class:`Vendor` through a :class:`Transport`; :func:`connect` and
-:func:`fine_tune` run it in one process. See docs/sap.md.
+:func:`fine_tune` run it in one process; :class:`Client` runs the customer against a remote vendor
+(``privlm sap vendor``). See docs/sap.md.
 """
 
 from privlm.sap.config import HEAD_PLACEMENTS, HeadPlacement, LoraSettings, SapConfig
@@ -24,17 +25,20 @@ from privlm.sap.messages import (
 )
 from privlm.sap.model import SplitParts, add_lora, split_pretrained
 from privlm.sap.privatizer import EmbeddingPrivatizer, HiddenStatePrivatizer, Release
+from privlm.sap.service.client import Client, FitReport
 from privlm.sap.training import EpochRecord, FitResult, Parties, connect, fine_tune
 from privlm.sap.transport import InProcessTransport, Traffic, Transport
 from privlm.sap.vendor import Vendor
 
 __all__ = [
     "HEAD_PLACEMENTS",
+    "Client",
     "CtiReport",
     "Customer",
     "CutGradient",
     "EmbeddingPrivatizer",
     "EpochRecord",
+    "FitReport",
     "FitResult",
     "Forward",
     "HeadPlacement",

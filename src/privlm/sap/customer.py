@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -119,6 +119,28 @@ def pad_ids(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> 
     return input_ids.to(device), mask.to(device)
 
 
+def _deep_copy(state: Any) -> Any:
+    """A state dict with every tensor cloned (``copy.deepcopy`` would share nothing either, but keeps no grad)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _deep_copy(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_deep_copy(v) for v in state)
+    return state
+
+
+@dataclass(frozen=True)
+class CustomerState:
+    """The customer's side of a training step boundary: what :meth:`Customer.load_state` rewinds to."""
+
+    step: int
+    head: dict[str, Any] | None
+    head_optimizer: dict[str, Any] | None
+    bottom: dict[str, Any] | None
+    bottom_optimizer: dict[str, Any] | None
+
+
 class Customer:
     """The customer's party, driving the protocol through ``transport``."""
 
@@ -147,6 +169,10 @@ class Customer:
         self.privatizer: Privatizer = self._make_privatizer(())
         self.account = PrivacyAccount()
         self.step = 0
+        # Training-step releases by step, kept only when asked (a remote client that may have to replay steps):
+        # a replayed step resends its release unchanged, uncharged, and draws no new noise.
+        self.keep_releases = False
+        self.sent_releases: dict[int, Release] = {}
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def _make_privatizer(self, exempt: Sequence[int]) -> Privatizer:
@@ -177,15 +203,23 @@ class Customer:
             self.ledger.spend(self.principal, spend, note=note)
 
     def release(self, ids: Sequence[Sequence[int]], example_ids: Sequence[int], *, note: str,
-                keep_graph: bool = False) -> tuple[PrivatizedBatch, torch.Tensor | None, Release]:
+                keep_graph: bool = False, sent: Release | None = None
+                ) -> tuple[PrivatizedBatch, torch.Tensor | None, Release]:
         """Run the bottom on ``ids``, charge the release, privatize. With ``keep_graph`` also return the tensor
-        whose gradient trains the bottom (straight-through the privatizer)."""
+        whose gradient trains the bottom (straight-through the privatizer). ``sent``: a release of these ids
+        already made (and charged): it is resent as it was, with no new noise and no new charge."""
         input_ids, mask = pad_ids(ids, self.tokenizer.pad_token_id or 0, self.device)
-        self._charge(self.privatizer.spend_of(input_ids, mask), note)
+        if sent is None:
+            self._charge(self.privatizer.spend_of(input_ids, mask), note)
         with torch.set_grad_enabled(keep_graph):
             cut = self.bottom(input_ids, mask)
-        release = self.privatizer.privatize(cut, input_ids, mask, generator=self.generator)
-        self.account.record(release)
+        if sent is not None:
+            if tuple(sent.values.shape) != tuple(cut.shape):
+                raise ValueError("the release to resend does not match these ids")
+            release = sent
+        else:
+            release = self.privatizer.privatize(cut, input_ids, mask, generator=self.generator)
+            self.account.record(release)
         batch = PrivatizedBatch(example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
                                 values=release.values.detach().float().cpu(), attention_mask=mask.cpu())
         attached = self.privatizer.straight_through(cut, release) if keep_graph else None
@@ -225,8 +259,11 @@ class Customer:
         """One step of Algorithm 1 on the examples ``example_ids``; returns the batch loss."""
         attached = batch = None
         if self.config.trainable_bottom:
-            batch, attached, _ = self.release([train.ids[i] for i in example_ids], example_ids,
-                                              note="sap training batch", keep_graph=True)
+            batch, attached, release = self.release([train.ids[i] for i in example_ids], example_ids,
+                                                    note="sap training batch", keep_graph=True,
+                                                    sent=self.sent_releases.get(self.step))
+            if self.keep_releases:
+                self.sent_releases[self.step] = release
         message = Forward(step=self.step, example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
                           train=True, bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
         values = self._output_values(self._exchange(message), len(example_ids))
@@ -234,13 +271,13 @@ class Customer:
             self.head_optimizer.zero_grad(set_to_none=True)
         loss, gradient = self._loss_gradient(values, labels[list(example_ids)])
         reply = self._exchange(OutputGradient(step=self.step, gradient=gradient))
-        self.step += 1  # the vendor has taken this step; the models here change only after its reply is checked
-        cut_gradient = None
+        cut_gradient = None  # nothing here changes until the reply is checked
         if attached is not None:
-            cut = self._expect(reply, CutGradient, step=self.step - 1)
+            cut = self._expect(reply, CutGradient, step=self.step)
             cut_gradient = check_tensor("gradient", cut.gradient, shape=tuple(attached.shape), dtype=torch.float32)
         else:
-            self._expect(reply, StepDone, step=self.step - 1)
+            self._expect(reply, StepDone, step=self.step)
+        self.step += 1
         if self.head_optimizer is not None:
             self.head_optimizer.step()
         if attached is not None and cut_gradient is not None and self.bottom_optimizer is not None:
@@ -248,6 +285,27 @@ class Customer:
             attached.backward(cut_gradient.to(attached))
             self.bottom_optimizer.step()
         return loss
+
+    def state(self) -> CustomerState:
+        """A copy of everything a training step changes here, to rewind to (see :meth:`load_state`)."""
+        def copy(obj: torch.nn.Module | torch.optim.Optimizer | None) -> dict[str, Any] | None:
+            return None if obj is None else _deep_copy(obj.state_dict())
+        return CustomerState(step=self.step, head=copy(self.head), head_optimizer=copy(self.head_optimizer),
+                             bottom=copy(self.bottom) if self.config.trainable_bottom else None,
+                             bottom_optimizer=copy(self.bottom_optimizer))
+
+    def load_state(self, state: CustomerState) -> None:
+        """Rewind to ``state`` (the vendor resumed from a checkpoint at ``state.step``). The steps that follow
+        resend the releases kept in ``sent_releases`` (``keep_releases``) unchanged: no new noise, no new charge;
+        the noise generator is never rewound, so no noise is ever used twice. The account is not rewound either:
+        it counts what was released."""
+        if self.head is not None and state.head is not None and self.head_optimizer is not None:
+            self.head.load_state_dict(state.head)
+            self.head_optimizer.load_state_dict(_deep_copy(state.head_optimizer))
+        if self.bottom_optimizer is not None and state.bottom is not None:
+            self.bottom.load_state_dict(state.bottom)
+            self.bottom_optimizer.load_state_dict(_deep_copy(state.bottom_optimizer))
+        self.step = state.step
 
     @staticmethod
     def _expect(reply: object, kind: type[_Reply], *, step: int) -> _Reply:

@@ -98,11 +98,35 @@ class FitResult:
         return self.traffic.bytes_for("training") / max(self.steps, 1)
 
 
+class Schedule:
+    """Which examples each training step takes: one permutation per epoch from ``seed``, in batches. Fixed up
+    front, so a step can be replayed (a rewind after a vendor restart) with exactly its batch."""
+
+    def __init__(self, n_examples: int, *, batch_size: int, epochs: int, seed: int) -> None:
+        order = np.random.default_rng(seed)
+        self.steps_per_epoch = -(-n_examples // batch_size)
+        self.epochs = epochs
+        self._batches = [permutation[first:first + batch_size].tolist()
+                         for permutation in (order.permutation(n_examples) for _ in range(epochs))
+                         for first in range(0, n_examples, batch_size)]
+
+    @property
+    def total_steps(self) -> int:
+        return len(self._batches)
+
+    def batch(self, step: int) -> list[int]:
+        return self._batches[step]
+
+    def ends_epoch(self, step: int) -> bool:
+        """Whether ``step`` (counted from 0) is the last of its epoch."""
+        return (step + 1) % self.steps_per_epoch == 0
+
+
 def _accuracy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     return float((probabilities.argmax(dim=-1) == labels).float().mean())
 
 
-class _HeldOut:
+class HeldOut:
     """Validation or test texts and their release, refreshed only when the bottom changes."""
 
     def __init__(self, customer: Customer, texts: Sequence[str], labels: object, n_classes: int) -> None:
@@ -110,10 +134,15 @@ class _HeldOut:
         self.tokens = customer.tokenize(texts)
         self.labels = check_labels(labels, n=len(self.tokens), n_classes=n_classes)  # type: ignore[arg-type]
         self.released: list[PrivatizedBatch] | None = None
+        self.released_at = -1  # the training step the release was made at
 
     def accuracy(self) -> float:
-        if self.released is None or self.customer.config.trainable_bottom:
+        """Released once for a frozen bottom; for a trainable one, once per step it is scored at (a step replayed
+        after a rewind reuses its release: the bottom is the same, so nothing new is released or charged)."""
+        stale = self.customer.config.trainable_bottom and self.released_at != self.customer.step
+        if self.released is None or stale:
             self.released = self.customer.release_for_inference(self.tokens)
+            self.released_at = self.customer.step
         return _accuracy(self.customer.predict(self.tokens, released=self.released), self.labels)
 
 
@@ -156,25 +185,25 @@ def fine_tune(parties: Parties, train_texts: Sequence[str], train_labels: Sequen
     labels = check_labels(train_labels, n=len(train), n_classes=customer.n_classes)
     check_every_class_present(labels, customer.n_classes)
     cti = customer.identify_contributing_tokens(train, labels)
-    validation = _HeldOut(customer, validation_texts, validation_labels, customer.n_classes)
-    test = None if test_texts is None else _HeldOut(customer, test_texts, test_labels, customer.n_classes)
+    validation = HeldOut(customer, validation_texts, validation_labels, customer.n_classes)
+    test = None if test_texts is None else HeldOut(customer, test_texts, test_labels, customer.n_classes)
     if not config.trainable_bottom:
         customer.upload(train)
-    order = np.random.default_rng(config.seed)
+    schedule = Schedule(len(train), batch_size=config.batch_size, epochs=config.epochs, seed=config.seed)
     records: list[EpochRecord] = []
     best: _Snapshot | None = None
-    steps_per_epoch = -(-len(train) // config.batch_size)
+    losses: list[float] = []
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("SAP fine-tuning", total=config.epochs * steps_per_epoch)
-        for epoch in range(1, config.epochs + 1):
-            permutation = order.permutation(len(train))
-            losses = []
-            for first in range(0, len(train), config.batch_size):
-                losses.append(customer.train_step(train, labels, permutation[first:first + config.batch_size].tolist()))
-                bar.advance(task)
-            records.append(EpochRecord(epoch=epoch, train_loss=float(np.mean(losses)),
+        task = bar.add_task("SAP fine-tuning", total=schedule.total_steps)
+        for step in range(schedule.total_steps):
+            losses.append(customer.train_step(train, labels, schedule.batch(step)))
+            bar.advance(task)
+            if not schedule.ends_epoch(step):
+                continue
+            records.append(EpochRecord(epoch=len(records) + 1, train_loss=float(np.mean(losses)),
                                        validation_accuracy=validation.accuracy(),
                                        test_accuracy=None if test is None else test.accuracy()))
+            losses = []
             if best is None or records[-1].validation_accuracy > max(r.validation_accuracy for r in records[:-1]):
                 best = _Snapshot.take(parties)
     chosen = max(records, key=lambda r: (r.validation_accuracy, -r.epoch)).epoch

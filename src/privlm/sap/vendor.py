@@ -9,9 +9,11 @@ checked in full before anything changes, so a bad one leaves the vendor as it wa
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import get_peft_model_state_dict
@@ -34,6 +36,27 @@ from privlm.sap.messages import (
     check_tensor,
 )
 from privlm.sap.model import add_lora, dropout_seed, lora_dropout
+
+
+@dataclass(frozen=True)
+class _LastStep:
+    """The last step taken: its gradient's digest and the answer, replayed if the gradient comes again."""
+
+    step: int
+    gradient_digest: str
+    reply: CutGradient | StepDone
+
+
+def _finite(output: torch.Tensor) -> torch.Tensor:
+    """Finite values so large that the top overflows (1e38, say) are refused like non-finite ones."""
+    if not bool(torch.isfinite(output).all()):
+        raise ProtocolError("the top's output is not finite for these values: they are too large", limit="finite")
+    return output
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous()
+    return hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode() + data.numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -62,6 +85,7 @@ class Vendor:
         self.steps_done = 0
         self.seconds = 0.0
         self._pending: _Pending | None = None
+        self._last: _LastStep | None = None
 
     @property
     def output_kind(self) -> str:
@@ -135,7 +159,7 @@ class Vendor:
         values, mask = values.to(self.device), mask.to(self.device)
         if not message.train:
             with torch.no_grad():
-                output = self.model(values, mask)
+                output = _finite(self.model(values, mask))
             return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
         cut = values.clone().requires_grad_(self.send_cut_gradient)
         if self.lora.dropout > 0:
@@ -143,11 +167,15 @@ class Vendor:
                 output = self.model(cut, mask)
         else:
             output = self.model(cut, mask)
+        _finite(output)
         self._pending = _Pending(step=step, output=output, cut=cut if self.send_cut_gradient else None)
         return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
 
     def backward(self, message: OutputGradient) -> CutGradient | StepDone:
         pending = self._pending
+        replayed = self._replay(message)
+        if replayed is not None:
+            return replayed
         if pending is None or message.step != pending.step:
             raise ProtocolError(f"no forward pass is waiting for step {message.step!r}", status=409, limit="step")
         gradient = check_tensor("gradient", message.gradient, shape=tuple(pending.output.shape), dtype=torch.float32)
@@ -156,9 +184,68 @@ class Vendor:
         self.optimizer.step()
         self._pending = None
         self.steps_done += 1
+        reply: CutGradient | StepDone = StepDone(step=pending.step)
         if pending.cut is not None and pending.cut.grad is not None:
-            return CutGradient(step=pending.step, gradient=pending.cut.grad.detach().cpu())
-        return StepDone(step=pending.step)
+            reply = CutGradient(step=pending.step, gradient=pending.cut.grad.detach().cpu())
+        self._last = _LastStep(step=pending.step, gradient_digest=_digest(gradient), reply=reply)
+        return reply
+
+    def _replay(self, message: OutputGradient) -> CutGradient | StepDone | None:
+        """The answer already given, when the last step's gradient arrives again (its answer was lost): the
+        step is not applied twice. The same step with a different gradient is refused."""
+        last = self._last
+        if last is None or message.step != last.step or self._pending is not None:
+            return None
+        if not isinstance(message.gradient, torch.Tensor) or _digest(message.gradient) != last.gradient_digest:
+            raise ProtocolError(f"step {last.step} was already taken with another gradient", status=409,
+                                limit="step")
+        return last.reply
+
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a checkpoint holds, as safetensors-ready tensors and JSON facts: the adapter, the optimiser's
+        moments and settings, the steps taken and the last step's answer (so a lost answer can be replayed after
+        a restart). A step in flight is not saved: the customer sends it again. Uploads are stored apart."""
+        tensors = {f"adapter.{name}": value for name, value in self.adapter_state().items()}
+        optimizer = self.optimizer.state_dict()
+        for index, moments in optimizer["state"].items():
+            for key, value in moments.items():
+                tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).detach().cpu().clone()
+        facts: dict[str, Any] = {"steps_done": self.steps_done, "param_groups": optimizer["param_groups"],
+                                 "last": None}
+        if self._last is not None:
+            facts["last"] = {"step": self._last.step, "gradient_digest": self._last.gradient_digest,
+                             "kind": self._last.reply.kind}
+            if isinstance(self._last.reply, CutGradient):
+                tensors["last.gradient"] = self._last.reply.gradient.detach().cpu().clone()
+        return tensors, facts
+
+    def load_training_state(self, tensors: dict[str, torch.Tensor], facts: dict[str, Any]) -> None:
+        """Resume from :meth:`training_state`'s output (checked: a state from another top or settings is refused
+        and leaves this vendor as it was)."""
+        adapter = {name.removeprefix("adapter."): v for name, v in tensors.items() if name.startswith("adapter.")}
+        if adapter.keys() != self.adapter_state().keys():
+            raise ValueError("the checkpoint's adapter does not match this vendor's LoRA settings and head")
+        moments: dict[int, dict[str, torch.Tensor]] = {}
+        for name, value in tensors.items():
+            if name.startswith("optimizer."):
+                _, position, key = name.split(".", 2)
+                moments.setdefault(int(position), {})[key] = value
+        steps_done, last = facts.get("steps_done"), facts.get("last")
+        if isinstance(steps_done, bool) or not isinstance(steps_done, int) or steps_done < 0:
+            raise ValueError(f"the checkpoint's steps_done must be a non-negative integer, got {steps_done!r}")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for slot, values in moments.items():
+            if not 0 <= slot < len(params) or any(
+                    key != "step" and tuple(v.shape) != tuple(params[slot].shape) for key, v in values.items()):
+                raise ValueError(f"the checkpoint's optimiser state {slot} does not match this vendor's parameters")
+        last_step = None
+        if last is not None:
+            reply: CutGradient | StepDone = CutGradient(step=last["step"], gradient=tensors["last.gradient"]) \
+                if last["kind"] == CutGradient.kind else StepDone(step=last["step"])
+            last_step = _LastStep(step=reply.step, gradient_digest=last["gradient_digest"], reply=reply)
+        self.load_adapter_state(adapter)
+        self.optimizer.load_state_dict({"state": moments, "param_groups": facts["param_groups"]})
+        self.steps_done, self._pending, self._last = steps_done, None, last_step
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """What training changed: the LoRA matrices and, with the head here, the head (peft's adapter state)."""

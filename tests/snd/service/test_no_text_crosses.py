@@ -1,6 +1,5 @@
 """Capture the real bytes of an SnD round trip and prove that no text and no token id crosses."""
 
-import itertools
 import re
 
 import numpy as np
@@ -10,26 +9,17 @@ from transformers import PreTrainedTokenizerBase
 from privlm.snd import Client
 from privlm.snd.service.server import create_app
 from privlm.wire import RAW, SAFETENSORS
+from tests.service.leaks import id_patterns
 from tests.service.localhost import RecordingProxy, free_port, serving
 
 SECRETS = ["Patient Johanna Kowalczyk was diagnosed with pneumonia in Rotterdam.",
            "My account number is 88412 and my password is hunter2."]
 
 
-def _id_patterns(ids: list[int]) -> list[bytes]:
-    """Byte forms a token-id sequence could take on the wire: ints of 2, 4, 8 bytes, and decimal text."""
-    patterns = []
-    for a, b in itertools.pairwise(ids):
-        pair = np.array([a, b])
-        patterns += [pair.astype("<i8").tobytes(), pair.astype("<i4").tobytes(), pair.astype("<i2").tobytes(),
-                     f"{a}, {b}".encode(), f"{a},{b}".encode()]
-    return patterns
-
-
 def _leaks(traffic: bytes, tokenizer: PreTrainedTokenizerBase) -> tuple[list[str], list[bytes]]:
     words = {w.lower() for text in SECRETS for w in re.findall(r"[A-Za-z0-9]{4,}", text)}
     leaked_words = [w for w in words if w.encode() in traffic.lower()]
-    leaked_ids = [p for text in SECRETS for p in _id_patterns(tokenizer(text, add_special_tokens=False)["input_ids"])
+    leaked_ids = [p for text in SECRETS for p in id_patterns(tokenizer(text, add_special_tokens=False)["input_ids"])
                   if p in traffic]
     return leaked_words, leaked_ids
 

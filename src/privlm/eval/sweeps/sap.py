@@ -94,6 +94,7 @@ from privlm.attacks import (
     union_inversion,
 )
 from privlm.eval.data import Splits, load_tweets, split_dataset
+from privlm.eval.registry import SweepEntry, register
 from privlm.eval.report import markdown_table
 from privlm.mechanisms import make_generator
 from privlm.models.device import resolve_device
@@ -489,8 +490,8 @@ class SapBench:
 
     @staticmethod
     def _exempt_split(sample: _Sample, vocabulary: torch.Tensor, exempt: torch.Tensor) -> Record:
-        """With CTI: how many attacked positions were exempt (released exactly), and the attack's success on the
-        noised positions alone, which the overall rate dilutes."""
+        """With CTI: how many attacked positions were exempt (released exactly, so recovered), and the attack's
+        success on the noised positions alone, which the exempt ones inflate in the overall rate."""
         if exempt.numel() == 0:
             return {}
         is_exempt = sample.text_mask & torch.isin(sample.true_ids, exempt.to(sample.true_ids.device))
@@ -705,7 +706,8 @@ def table_rows(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, object]]:
             "upload MB": _fmt(_upload_bytes(r) / 1e6, 1) if _upload_bytes(r) else "-",
             "customer s": _fmt(r["customer_seconds"], 1),
             "vendor s": _fmt(r["vendor_seconds"], 1),
-            "eta-tokens": "-" if not r.get("privacy") else f"{r['privacy']['eta_tokens']:.3g}",
+            "eta spent": "-" if not r.get("privacy") else f"{r['privacy']['eta_tokens']:.3g}"
+            + (" (hidden states)" if r["privacy"].get("unit") == "eta-hidden-state" else ""),
             "CTI k / exempt / covered": "-" if not cti else
             f"{cti['k']} / {cti['exempt_count']} / {cti['covered_share']:.2%}"})
     return rows
@@ -776,6 +778,16 @@ def plot_sap(payload: Mapping[str, Any], path: Path) -> Path:
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path, dpi=130)
     return path
+
+
+def render_sap_report(out_dir: Path) -> list[Path]:
+    """results.md and privacy_utility.png again from ``out_dir/results.json`` (``privlm bench report``)."""
+    payload = json.loads((out_dir / "results.json").read_text())
+    (out_dir / "results.md").write_text(sap_markdown(payload))
+    return [out_dir / "results.md", plot_sap(payload, out_dir / "privacy_utility.png")]
+
+
+register(SweepEntry("sap", (), render=render_sap_report))
 
 
 def write_sap_report(out_dir: Path, payload: Mapping[str, Any]) -> list[Path]:

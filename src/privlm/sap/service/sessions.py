@@ -1,0 +1,290 @@
+"""The vendor's fine-tuning sessions, without HTTP: create, exchange SAP messages, checkpoint, export.
+
+One :class:`VendorSessions` holds the vendor's model and serves many customers' sessions, each a
+:class:`privlm.sap.Vendor` over its own copy of the top, behind its own lock. A session belongs to the principal
+that created it (a hash of its API key); any other principal is told it does not exist. Sessions live in a
+:class:`SessionStore`: uploads are stored before they are acknowledged, and the training state is checkpointed
+at creation, every ``checkpoint_every`` steps and on request, so a restarted vendor (or another replica reading
+the same store) resumes a session from its last checkpoint. The customer learns the checkpoint's step with every
+answer and resends what came after it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from privlm._validation import check_positive_int
+from privlm.models.partition import BottomModel, split_model
+from privlm.models.pooling import Pooling
+from privlm.sap.config import LoraSettings
+from privlm.sap.messages import (
+    Forward,
+    OutputGradient,
+    ProtocolError,
+    Upload,
+    VendorMessage,
+    from_bytes,
+    to_bytes,
+)
+from privlm.sap.service.store import SessionNotFoundError, SessionStore, new_session_id
+from privlm.sap.vendor import Vendor
+
+
+class LoraRequest(BaseModel):
+    """LoRA settings a customer may ask for."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(default=8, ge=1, le=256)
+    alpha: int = Field(default=16, ge=1, le=4096)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["query", "value"], min_length=1, max_length=16)
+
+
+class SessionRequest(BaseModel):
+    """What a customer asks for when it opens a fine-tuning session."""
+
+    model_config = ConfigDict(extra="forbid")
+    blocks: int = Field(default=0, ge=0, description="Transformer blocks in the customer's bottom (the split "
+                        "position).")
+    n_classes: int = Field(ge=2, le=1024, description="The task's label count.")
+    head: Literal["vendor", "customer"] = Field(description="Where the task head sits. 'vendor' "
+                                                "(the paper's) means the returned gradients reveal every label.")
+    trainable_bottom: bool = False
+    lora: LoraRequest = LoraRequest()
+    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    bottom_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the bottom the customer "
+                                    "downloaded (bottom.json's fingerprint): a mismatched pair is refused.")
+
+    def lora_settings(self) -> LoraSettings:
+        return LoraSettings(rank=self.lora.rank, alpha=self.lora.alpha, dropout=self.lora.dropout,
+                            target_modules=tuple(self.lora.target_modules))
+
+
+class SessionInfo(BaseModel):
+    """A session's state as its owner sees it."""
+
+    id: str
+    blocks: int
+    n_classes: int
+    head: Literal["vendor", "customer"]
+    trainable_bottom: bool
+    steps_done: int
+    checkpoint_step: int
+    uploaded_examples: int
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds on what one session may hold and one message may carry."""
+
+    max_sessions: int = 16
+    max_examples: int = 100_000
+    max_batch: int = 256
+    max_tokens: int = 512
+    max_message_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            check_positive_int(name, value)
+
+
+@dataclass
+class _Session:
+    vendor: Vendor
+    request: SessionRequest
+    owner: str
+    checkpoint_step: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class VendorSessions:
+    """Sessions over one base model, split at the positions in ``bottoms`` (blocks -> the exported bottom)."""
+
+    def __init__(self, model: torch.nn.Module, *, bottoms: Mapping[int, BottomModel], pooling: Pooling,
+                 store: SessionStore, checkpoint_every: int = 50, limits: SessionLimits | None = None) -> None:
+        self.model, self.bottoms, self.pooling, self.store = model, dict(bottoms), pooling, store
+        self.checkpoint_every = check_positive_int("checkpoint_every", checkpoint_every)
+        self.limits = limits or SessionLimits()
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        offset = 2 if getattr(getattr(model, "config", None), "model_type", "") in ("roberta", "xlm-roberta",
+                                                                                    "camembert") else 0
+        self.max_tokens = min(self.limits.max_tokens, positions - offset) if isinstance(positions, int) \
+            else self.limits.max_tokens  # past the position table the model cannot run: a 413, not a crash
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self.steps_taken = 0
+
+    # --- sessions -----------------------------------------------------------------------------------------
+    def _vendor(self, request: SessionRequest) -> Vendor:
+        if request.blocks not in self.bottoms:
+            raise ProtocolError(f"blocks={request.blocks} is not offered; this vendor splits at "
+                                f"{sorted(self.bottoms)}", limit="blocks")
+        fingerprint = self.bottoms[request.blocks].config.fingerprint
+        if request.bottom_fingerprint != fingerprint:
+            raise ProtocolError(f"bottom_fingerprint {request.bottom_fingerprint[:12]}… is not the bottom this vendor "
+                                f"exports at blocks={request.blocks} ({fingerprint[:12]}…)", status=409,
+                                limit="bottom_fingerprint")
+        _, top = split_model(self.model, request.blocks, pooling=self.pooling,  # type: ignore[arg-type]
+                             n_classes=request.n_classes if request.head == "vendor" else None,
+                             head_seed=request.seed)
+        if top.bottom_fingerprint != fingerprint:
+            raise RuntimeError("the model changed since its bottoms were exported")
+        return Vendor(top, lora=request.lora_settings(), learning_rate=request.learning_rate,
+                      send_cut_gradient=request.trainable_bottom, seed=request.seed)
+
+    def create(self, request: SessionRequest, owner: str) -> SessionInfo:
+        with self._lock:
+            if len(self._sessions) >= self.limits.max_sessions:
+                raise ProtocolError(f"this vendor holds max_sessions={self.limits.max_sessions} sessions; delete "
+                                    "one first", status=429, limit="max_sessions")
+            vendor = self._vendor(request)
+            session_id = new_session_id()
+            self.store.create(session_id, {"request": request.model_dump(), "owner": owner,
+                                           "created": time.time()})
+            session = _Session(vendor=vendor, request=request, owner=owner)
+            self._checkpoint(session_id, session)
+            self._sessions[session_id] = session
+            return self._info(session_id, session)
+
+    def _get(self, session_id: str, owner: str) -> _Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                session = self._restore(session_id)
+            if session.owner != owner:
+                raise SessionNotFoundError("no such session")
+            return session
+
+    def _restore(self, session_id: str) -> _Session:
+        """A session this process does not hold (a restart, another replica): rebuilt from the store."""
+        stored = self.store.load(session_id)
+        request = SessionRequest.model_validate(stored.record["request"])
+        session = _Session(vendor=self._vendor(request), request=request, owner=str(stored.record["owner"]))
+        for upload in stored.uploads:
+            session.vendor.handle(from_bytes(upload))  # type: ignore[arg-type]
+        if stored.checkpoint is not None:
+            session.vendor.load_training_state(*stored.checkpoint)
+            session.checkpoint_step = session.vendor.steps_done
+        self._sessions[session_id] = session
+        return session
+
+    def info(self, session_id: str, owner: str) -> SessionInfo:
+        return self._info(session_id, self._get(session_id, owner))
+
+    @staticmethod
+    def _info(session_id: str, session: _Session) -> SessionInfo:
+        request = session.request
+        return SessionInfo(id=session_id, blocks=request.blocks, n_classes=request.n_classes, head=request.head,
+                           trainable_bottom=request.trainable_bottom, steps_done=session.vendor.steps_done,
+                           checkpoint_step=session.checkpoint_step, uploaded_examples=len(session.vendor.uploaded))
+
+    def delete(self, session_id: str, owner: str) -> None:
+        self._get(session_id, owner)
+        with self._lock:
+            self._sessions.pop(session_id, None)
+            self.store.delete(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """Drop a session from memory only (tests: what a restart does); the store keeps it."""
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    # --- messages -----------------------------------------------------------------------------------------
+    def _check_size(self, message: object, session: _Session) -> None:
+        limits = self.limits
+        batch = message.batch if isinstance(message, Upload | Forward) else None
+        if batch is not None and isinstance(batch.values, torch.Tensor) and batch.values.ndim == 3:
+            rows, tokens = batch.values.shape[:2]
+            if rows > limits.max_batch:
+                raise ProtocolError(f"a batch of {rows} rows exceeds max_batch={limits.max_batch}", status=413,
+                                    limit="max_batch")
+            if tokens > self.max_tokens:
+                raise ProtocolError(f"sequences of {tokens} positions exceed max_tokens={self.max_tokens}",
+                                    status=413, limit="max_tokens")
+        if isinstance(message, Upload) and isinstance(message.batch.values, torch.Tensor) \
+                and len(session.vendor.uploaded) + int(message.batch.values.shape[0]) > limits.max_examples:
+            raise ProtocolError(f"the session would hold more than max_examples={limits.max_examples} uploaded "
+                                "examples", status=413, limit="max_examples")
+        if isinstance(message, Forward) and message.batch is None and isinstance(message.example_ids, torch.Tensor) \
+                and message.example_ids.numel() > limits.max_batch:
+            raise ProtocolError(f"{message.example_ids.numel()} example ids exceed max_batch={limits.max_batch}",
+                                status=413, limit="max_batch")
+
+    def exchange(self, session_id: str, owner: str, body: bytes) -> tuple[bytes, dict[str, str]]:
+        """One customer message (SAP message bytes) in, the vendor's answer out, with the session's step and
+        checkpoint step. A bad message changes nothing."""
+        session = self._get(session_id, owner)
+        message = from_bytes(body, max_bytes=self.limits.max_message_bytes)
+        if not isinstance(message, Upload | Forward | OutputGradient):
+            raise ProtocolError(f"the vendor does not take {type(message).__name__} messages")
+        self._check_size(message, session)
+        with session.lock:
+            reply: VendorMessage = session.vendor.handle(message)
+            if isinstance(message, Upload):
+                self._store_upload(session_id, session, message, body)
+            elif isinstance(message, OutputGradient) and session.vendor.steps_done % self.checkpoint_every == 0 \
+                    and session.vendor.steps_done > session.checkpoint_step:
+                self._checkpoint(session_id, session)
+            if isinstance(message, OutputGradient):
+                self.steps_taken += 1
+            return to_bytes(reply), self._headers(session)
+
+    def _store_upload(self, session_id: str, session: _Session, message: Upload, body: bytes) -> None:
+        try:
+            self.store.add_upload(session_id, body)
+        except OSError:  # not durable: not accepted either
+            for example_id in message.batch.example_ids.tolist():
+                session.vendor.uploaded.pop(example_id, None)
+            raise
+
+    @staticmethod
+    def _headers(session: _Session) -> dict[str, str]:
+        return {"x-privlm-steps-done": str(session.vendor.steps_done),
+                "x-privlm-checkpoint-step": str(session.checkpoint_step)}
+
+    def _checkpoint(self, session_id: str, session: _Session, *, keep: bool = False) -> None:
+        tensors, facts = session.vendor.training_state()
+        self.store.save_checkpoint(session_id, tensors, facts, keep=keep)
+        session.checkpoint_step = session.vendor.steps_done
+
+    def checkpoint(self, session_id: str, owner: str, keep: bool = False) -> SessionInfo:
+        """Checkpoint now; ``keep`` files it under its step too, for :meth:`select` (the customer keeps one per
+        epoch and selects the best on its own validation data)."""
+        session = self._get(session_id, owner)
+        with session.lock:
+            self._checkpoint(session_id, session, keep=keep)
+        return self._info(session_id, session)
+
+    def select(self, session_id: str, owner: str, step: int) -> SessionInfo:
+        """Serve the adapter of the checkpoint kept at ``step`` (training ends there: the customer chose it)."""
+        session = self._get(session_id, owner)
+        with session.lock:
+            try:
+                tensors, _ = self.store.kept_checkpoint(session_id, step)
+            except KeyError as error:
+                raise ProtocolError(str(error.args[0]), status=404, limit="step") from None
+            adapter = {k.removeprefix("adapter."): v for k, v in tensors.items() if k.startswith("adapter.")}
+            session.vendor.load_adapter_state(adapter)
+        return self._info(session_id, session)
+
+    def adapter(self, session_id: str, owner: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The trained adapter (LoRA, and the head when it sits at the vendor), for its owner."""
+        session = self._get(session_id, owner)
+        with session.lock:
+            state = session.vendor.adapter_state()
+        request = session.request
+        return state, {"lora": request.lora.model_dump(), "blocks": request.blocks, "head": request.head,
+                       "n_classes": request.n_classes, "steps_done": session.vendor.steps_done,
+                       "bottom_fingerprint": request.bottom_fingerprint}
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)

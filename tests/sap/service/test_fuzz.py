@@ -1,0 +1,29 @@
+"""Fuzz the SAP vendor's OpenAPI schema with schemathesis (bounded examples) under the conformance checks: never a
+5xx, every answer documented, schema-invalid requests refused; on a session that exists, so the routes behind it
+are reached."""
+
+import httpx
+import schemathesis
+
+from privlm.sap.service.routes import SAP_MESSAGE, SESSIONS_PATH
+from privlm.sap.service.server import create_vendor_app
+from tests.sap.service.conftest import KEYS
+from tests.service.fuzz import fuzz_openapi
+from tests.service.localhost import serving
+
+schemathesis.serializer.alias(SAP_MESSAGE, "application/octet-stream")  # SAP messages travel as their bytes
+
+
+def test_no_operation_answers_5xx(vendor_model, tmp_path):
+    app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    with serving(app) as url:
+        fingerprint = httpx.get(f"{url}/v1/sap/bottoms/0", headers=headers).json()["fingerprint"]
+        httpx.post(f"{url}{SESSIONS_PATH}", headers=headers,
+                   json={"n_classes": 2, "head": "customer", "bottom_fingerprint": fingerprint}).raise_for_status()
+        seen = fuzz_openapi(url, headers=headers, max_examples=40)
+    paths = {path for path, _ in seen}
+    assert {SESSIONS_PATH, SESSIONS_PATH + "/{session_id}/exchange", "/health", "/metrics"} <= paths
+    assert all(code < 500 for _, code in seen)
+    exchange = {code for path, code in seen if path.endswith("/exchange")}
+    assert exchange and exchange <= {400, 401, 404, 405, 413, 415, 422}
