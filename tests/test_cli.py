@@ -51,6 +51,7 @@ def test_demo_runs_without_anything_from_the_dev_extra(tmp_path):
     assert "NN inversion" in result.stdout and "Cape: a private prompt" in result.stdout
     assert "sent to the chat API" in result.stdout and "spent for this prompt" in result.stdout
     assert "OpenAI-format request -> gateway -> private round trip" in result.stdout
+    assert "SAP: private fine-tuning" in result.stdout and "private prediction for" in result.stdout
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@
    with personal details sent with the ``openai`` client (plain httpx where ``openai`` is not installed: the
    demo needs nothing from the dev extra) to ``privlm serve-llm``, a local SmolLM2 chat server; what the
    upstream received, the report and its answer.
+7. SAP (printed as step 6): ``privlm sap vendor`` on localhost; a customer fine-tunes LoRA through it on 48
+   tweets for one epoch, keeping texts, labels and the head, then asks for one private prediction.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ SND_ETA = 50.0
 CHAT_PROMPT = ("I am Maria Gonzalez, 34, from Seattle. My doctor says my asthma is getting worse. "
                "What should I ask her at my next appointment?")
 CHAT_MAX_TOKENS = 48
+SAP_TWEETS, SAP_ETA = 64, 75.0
+SAP_QUESTION = "the crew lost my bag and nobody answered"
 
 if TYPE_CHECKING:
     from privlm.cape import LogitBound
@@ -135,7 +139,48 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
     bound = cape_section(console, generator)
     snd_section(console, model, generator)
     service_section(console, model, generator, bound)
+    sap_section(console, seed)
     return rows
+
+
+def sap_section(console: Console, seed: int | None) -> None:
+    """A vendor (`privlm sap vendor`) on localhost; a customer fine-tunes on a few tweets it keeps, with its labels
+    and the head at home, then asks for a private prediction."""
+    from privlm.eval.data import load_tweets
+    from privlm.sap import Client, SapConfig
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    console.print(f"\n[bold]6. SAP: private fine-tuning[/bold]: `privlm sap vendor` on {url} keeps the model's top "
+                  "and trains LoRA on it; the customer keeps its tweets, labels and the head")
+    tweets = load_tweets(limit=SAP_TWEETS, seed=0)
+    train, validation = tweets.subset(range(SAP_TWEETS - 16)), tweets.subset(range(SAP_TWEETS - 16, SAP_TWEETS))
+    config = SapConfig(blocks=0, eta=SAP_ETA, head="customer", epochs=1, batch_size=16, noise_seed=seed)
+    with tempfile.TemporaryDirectory(prefix="privlm-demo-sap-") as scratch:
+        vendor = None
+        try:
+            with console.status("Starting privlm sap vendor..."):
+                vendor = start_privlm(["sap", "vendor", "--store", scratch, "--port", str(port), "--device", "cpu"],
+                                      f"{url}/health")
+            with console.status("Fine-tuning through the vendor..."), \
+                    Client(url, config=config, n_classes=3, cache_dir=Path(scratch) / "cache") as client:
+                report = client.fit(train.texts, train.labels, validation.texts, validation.labels, progress=False)
+                probabilities = client.predict([SAP_QUESTION])
+        finally:
+            if vendor is not None:
+                stop(vendor)
+    traffic, account = report.traffic["by_purpose"], report.account
+    console.print(f"{len(train.texts)} tweets, {report.steps} steps at eta {SAP_ETA:g}: the vendor received "
+                  f"{traffic['upload']['bytes_to_vendor'] / 1e6:.1f} MB of privatized token rows once, then "
+                  f"{report.traffic['bytes_to_vendor'] / 1e6 - traffic['upload']['bytes_to_vendor'] / 1e6:.2f} MB of "
+                  "example ids, dL/dh and inference rows; no text, no token ids, no labels")
+    console.print(f"spent {account['eta_tokens']:.0f} eta-tokens ({account['noised_positions']} positions noised, "
+                  f"{account['exact_positions']} special tokens sent as they are); validation accuracy "
+                  f"{report.validation_accuracy:.2f} on {len(validation.texts)} tweets (1 epoch: a smoke test, "
+                  "`privlm bench sap` measures it); vendor stopped")
+    labels = ("negative", "neutral", "positive")
+    console.print(f"private prediction for {SAP_QUESTION!r}: "
+                  + ", ".join(f"{name} {p:.2f}" for name, p in zip(labels, probabilities[0].tolist(), strict=True)))
 
 
 def snd_section(console: Console, model: SplitModel, generator: torch.Generator) -> None:
