@@ -286,3 +286,37 @@ def _check_the_report_renders_again(folder: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "report", str(folder)])
     assert result.exit_code == 0, result.output
     assert (folder / "results.md").read_text() == written and (folder / "privacy_utility.png").stat().st_size > 10_000
+
+
+def test_the_service_bench_compares_http_with_one_process(tiny_model, tmp_path):
+    from privlm.eval.sweeps.sap_service import ServiceBenchSetting, run_service_bench
+
+    setting = ServiceBenchSetting.quick(model=str(tiny_model))
+    files = run_service_bench(setting, tmp_path, _quiet())
+    assert [f.name for f in files] == ["results.json", "results.md"]
+    payload = json.loads(files[0].read_text())
+    local, remote = payload["in_process"], payload["http"]
+    assert local["bytes_per_step"] == remote["bytes_per_step"] > 0  # the same messages either way
+    assert local["upload_bytes"] == remote["upload_bytes"] > 0
+    assert local["latency"]["steps"] == remote["latency"]["steps"] == setting.steps - setting.warmup
+    assert payload["overhead_ms"] == pytest.approx(remote["latency"]["median_ms"] - local["latency"]["median_ms"])
+    assert [r["sessions"] for r in payload["throughput"]] == [1, 2]
+    assert all(r["steps"] == r["sessions"] * setting.steps and r["steps_per_second"] > 0
+               for r in payload["throughput"])
+    assert payload["metadata"]["sweep"] == "sap-service" and payload["metadata"]["git_commit"]
+    written = files[1].read_text()
+    files[1].unlink()
+    import privlm.cli  # noqa: F401 - registers every command
+    from privlm.cli.app import app
+
+    assert CliRunner().invoke(app, ["bench", "report", str(tmp_path)]).exit_code == 0
+    assert files[1].read_text() == written
+
+
+@pytest.mark.parametrize(("change", "names"), [({"steps": 0}, "steps"), ({"warmup": 5, "steps": 5}, "warmup"),
+                                               ({"sessions": (0,)}, "sessions"), ({"eta": -1.0}, "eta")])
+def test_the_service_bench_refuses_bad_settings(change, names):
+    from privlm.eval.sweeps.sap_service import ServiceBenchSetting
+
+    with pytest.raises(ValueError, match=names):
+        ServiceBenchSetting(**change)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,8 +21,12 @@ def _levels(text: str | None, flag: str) -> tuple[float, ...] | None:
 
 @bench_app.command("sap")
 def bench_sap(
-    out: Annotated[Path, typer.Option(help="Output folder (results.json, results.md, privacy_utility.png).")] =
-        Path("benchmarks/sap"),
+    out: Annotated[Path | None, typer.Option(help="Output folder (results.json, results.md, privacy_utility.png); "
+                                                  "default benchmarks/sap, or benchmarks/sap-service with "
+                                                  "--service.")] = None,
+    service: Annotated[bool, typer.Option("--service", help="Measure the HTTP service instead: step latency, bytes "
+                                                            "and overhead per step against the in-process run, "
+                                                            "and throughput with 1, 4 and 8 sessions.")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny sizes, 1 epoch, centralised + 2 runs: a smoke "
                                                         "test. Other flags still override it.")] = False,
     train: Annotated[int | None, typer.Option("--train", min=1, help="Training examples (default 2000).")] = None,
@@ -57,8 +61,12 @@ def bench_sap(
     """Centralised LoRA, SAP with the embedding bottom over etas (with and without CTI), 2- and 4-block bottoms,
     a trainable bottom and both head placements; inversion, attribute and label inference on what the vendor
     received; a privacy-utility plot and a verdict on each of the paper's claims."""
+    if service:
+        _bench_service(out or Path("benchmarks/sap-service"), quick=quick, seed=seed)
+        return
     from privlm.eval.sweeps.sap import SapBenchSetting, replace_setting, run_sap_bench
 
+    out = out or Path("benchmarks/sap")
     try:
         base = SapBenchSetting.quick() if quick else SapBenchSetting()
         setting = replace_setting(
@@ -71,4 +79,13 @@ def bench_sap(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     files = run_sap_bench(setting, out, console, resume=resume)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+def _bench_service(out: Path, *, quick: bool, seed: int | None) -> None:
+    from privlm.eval.sweeps.sap_service import ServiceBenchSetting, run_service_bench
+
+    change: dict[str, Any] = {} if seed is None else {"seed": seed}
+    setting = ServiceBenchSetting.quick(**change) if quick else ServiceBenchSetting(**change)
+    files = run_service_bench(setting, out, console)
     console.print(f"Wrote {', '.join(str(f) for f in files)}")
