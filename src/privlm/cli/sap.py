@@ -55,6 +55,12 @@ def vendor(
     max_in_flight: MaxInFlightOption = 32,
     docs: DocsOption = False,
     allow_keyless: AllowKeylessOption = False,
+    ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm\\[ray]); --store must "
+                                                    "be a folder every replica can read.")] = False,
+    replicas: Annotated[int, typer.Option(min=1, help="With --ray: number of replicas.")] = 1,
+    replica_cpus: Annotated[float, typer.Option(min=0.01, help="With --ray: CPUs reserved per replica.")] = 1.0,
+    ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")]
+        = None,
 ) -> None:
     """The vendor's SAP server: exports the bottom, trains LoRA on the top from privatized representations."""
     from privlm.sap.service.server import create_vendor_app
@@ -65,6 +71,19 @@ def vendor(
     keys = _load_keys(api_key, api_key_file, API_KEYS_ENV)
     service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
                                max_in_flight=max_in_flight)
+    if ray:
+        try:
+            from privlm.sap.service.ray import sap_vendor_application
+            from privlm.service.ray import run_blocking
+        except ImportError as error:
+            raise typer.BadParameter(str(error), param_hint="--ray") from None
+        passed = _load_keys(api_key, None, API_KEYS_ENV)  # the key file is read by each replica, not stored by Ray
+        application = sap_vendor_application(
+            model, store=str(store.resolve()), replicas=replicas, replica_cpus=replica_cpus, splits=_splits(splits),
+            api_keys=passed, api_key_file=str(api_key_file.resolve()) if api_key_file else None,
+            max_sessions=max_sessions, device="cpu" if device == "auto" else device, service=service)
+        run_blocking(application, host=host, port=port, name="privlm-sap-vendor", address=ray_address)
+        return
     try:
         vendor_app = create_vendor_app(model, store=store, splits=_splits(splits), api_keys=keys,
                                        checkpoint_every=checkpoint_every,

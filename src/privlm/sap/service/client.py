@@ -32,7 +32,7 @@ from privlm.sap.config import SapConfig
 from privlm.sap.customer import Customer, CustomerState, check_every_class_present, check_labels
 from privlm.sap.messages import CustomerMessage, Forward, OutputGradient, VendorMessage, from_bytes, to_bytes
 from privlm.sap.service.bundle import bundle_path, is_bottom_bundle_file, load_bottom_bundle
-from privlm.sap.service.routes import SAP_MESSAGE, SESSIONS_PATH
+from privlm.sap.service.routes import MULTIPLEX_HEADER, SAP_MESSAGE, SESSIONS_PATH
 from privlm.sap.training import EpochRecord, Schedule
 from privlm.sap.transport import Traffic, purpose_of
 from privlm.service import RequestRefusedError, RetryPolicy, ServerError, download_bundle, get_capped
@@ -133,6 +133,8 @@ class Client:
         bottom, tokenizer = load_bottom_bundle(folder, fingerprint)
         self.session = self._open_session(fingerprint, n_classes)
         self.session_id = str(self.session["id"])
+        # On Ray Serve, requests that carry it go to the replica that holds the session (multiplexing by id).
+        self.http.headers[MULTIPLEX_HEADER] = self.session_id
         self.transport = HttpTransport(self.http, self.session_id, self.retry)
         self.customer = Customer(bottom, tokenizer, self.transport, config=config, n_classes=n_classes,
                                  ledger=ledger, principal=principal, vendor_fingerprint=fingerprint)

@@ -19,7 +19,7 @@ the API key that opened them: another key is answered 404, as for a session that
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, Unpack
 
@@ -82,9 +82,12 @@ def _not_found() -> ServiceError:
 def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, splits: tuple[int, ...] = (0,),
                       api_keys: tuple[str, ...] = (), checkpoint_every: int = 50,
                       limits: SessionLimits | None = None, device: str | torch.device = "cpu",
+                      shared_store: bool = False, on_session: Callable[[str], Awaitable[object]] | None = None,
                       **service: Unpack[ServiceOptions]) -> FastAPI:
     """The vendor's server for ``model_name``, exporting bottoms at the ``splits`` positions, with sessions kept
-    in the folder ``store`` (shared by replicas)."""
+    in the folder ``store``. ``shared_store``: replicas serve the same sessions from it (every step checkpointed,
+    a stale copy reloaded). ``on_session(id)`` is awaited before any request on a session (Ray Serve's
+    multiplexing uses it to keep a session's requests on the replica that holds it)."""
     loaded = load_pretrained(model_name, device=resolve_device(device), causal_lm_head=False)
     pooling = loaded.sentence_transformer.pooling if loaded.sentence_transformer else FAMILY_POOLING[loaded.family]
     if not splits:
@@ -92,13 +95,15 @@ def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, s
     bottoms = {blocks: split_model(loaded.model, blocks, pooling=pooling, name=str(model_name))[0] for blocks in splits}
     limits = limits or SessionLimits()
     sessions = VendorSessions(loaded.model, bottoms=bottoms, pooling=pooling, store=SessionStore(store),
-                              checkpoint_every=checkpoint_every, limits=limits)
+                              checkpoint_every=checkpoint_every, limits=limits, shared=shared_store)
     auth = BearerKeys(api_keys)
     router = APIRouter(tags=["sap"])
 
-    def guarded(call: Callable[..., Any], *args: object) -> Any:
+    async def guarded(call: Callable[..., Any], session_id: str, *args: object) -> Any:
+        if on_session is not None:
+            await on_session(session_id)
         try:
-            return call(*args)
+            return await run_in_threadpool(call, session_id, *args)
         except SessionNotFoundError:
             raise _not_found() from None
 
@@ -109,7 +114,7 @@ def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, s
 
     @router.get(SESSIONS_PATH + "/{session_id}")
     async def session_info(session_id: _SESSION_ID, principal: str = Depends(auth.dependency)) -> SessionInfo:
-        return await run_in_threadpool(guarded, sessions.info, session_id, principal)
+        return await guarded(sessions.info, session_id, principal)
 
     @router.post(SESSIONS_PATH + "/{session_id}/exchange", openapi_extra=_EXCHANGE_OPENAPI, response_class=Response,
                  responses=_CONFLICT)
@@ -117,7 +122,7 @@ def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, s
                        ) -> Response:
         """One SAP message in, the vendor's answer out."""
         body = await request.body()
-        content, headers = await run_in_threadpool(guarded, sessions.exchange, session_id, principal, body)
+        content, headers = await guarded(sessions.exchange, session_id, principal, body)
         return Response(content, media_type=SAP_MESSAGE, headers=headers)
 
     @router.post(SESSIONS_PATH + "/{session_id}/checkpoint")
@@ -125,25 +130,25 @@ def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, s
                          principal: str = Depends(auth.dependency)) -> SessionInfo:
         """Checkpoint now; with ``keep`` also file it under its step, to select later."""
         keep = request.keep if request is not None else False
-        return await run_in_threadpool(guarded, sessions.checkpoint, session_id, principal, keep)
+        return await guarded(sessions.checkpoint, session_id, principal, keep)
 
     @router.post(SESSIONS_PATH + "/{session_id}/select")
     async def select(session_id: _SESSION_ID, request: SelectRequest, principal: str = Depends(auth.dependency)
                      ) -> SessionInfo:
         """Serve the adapter kept at ``step`` (the epoch the customer chose on its validation data)."""
-        return await run_in_threadpool(guarded, sessions.select, session_id, principal, request.step)
+        return await guarded(sessions.select, session_id, principal, request.step)
 
     @router.get(SESSIONS_PATH + "/{session_id}/adapter", response_class=Response,
                 responses={200: {"content": {"application/octet-stream": _BINARY}}})
     async def adapter(session_id: _SESSION_ID, principal: str = Depends(auth.dependency)) -> Response:
         """The trained adapter as safetensors; its settings in the metadata ``facts``."""
-        state, facts = await run_in_threadpool(guarded, sessions.adapter, session_id, principal)
+        state, facts = await guarded(sessions.adapter, session_id, principal)
         content = save_safetensors({k: v.contiguous() for k, v in state.items()}, metadata={"facts": json.dumps(facts)})
         return Response(content, media_type="application/octet-stream")
 
     @router.delete(SESSIONS_PATH + "/{session_id}", status_code=204, response_class=Response)
     async def delete_session(session_id: _SESSION_ID, principal: str = Depends(auth.dependency)) -> Response:
-        await run_in_threadpool(guarded, sessions.delete, session_id, principal)
+        await guarded(sessions.delete, session_id, principal)
         return Response(status_code=204)
 
     bundles = [bottom_bundle(bottom, loaded.tokenizer).router(bundle_path(blocks))

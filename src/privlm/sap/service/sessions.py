@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -102,6 +103,7 @@ class _Session:
     request: SessionRequest
     owner: str
     checkpoint_step: int = 0
+    generation: str | None = None  # of the checkpoint this state was written as or restored from
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -109,8 +111,12 @@ class VendorSessions:
     """Sessions over one base model, split at the positions in ``bottoms`` (blocks -> the exported bottom)."""
 
     def __init__(self, model: torch.nn.Module, *, bottoms: Mapping[int, BottomModel], pooling: Pooling,
-                 store: SessionStore, checkpoint_every: int = 50, limits: SessionLimits | None = None) -> None:
+                 store: SessionStore, checkpoint_every: int = 50, limits: SessionLimits | None = None,
+                 shared: bool = False) -> None:
+        """``shared``: other processes (replicas) serve the same sessions from the same store, so a session held
+        here is used only while the store's checkpoint is the one it last wrote or read; else it is reloaded."""
         self.model, self.bottoms, self.pooling, self.store = model, dict(bottoms), pooling, store
+        self.shared = shared
         self.checkpoint_every = check_positive_int("checkpoint_every", checkpoint_every)
         self.limits = limits or SessionLimits()
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -157,6 +163,8 @@ class VendorSessions:
     def _get(self, session_id: str, owner: str) -> _Session:
         with self._lock:
             session = self._sessions.get(session_id)
+            if session is not None and self.shared and self.store.generation(session_id) != session.generation:
+                session = None  # another replica moved it on since: this copy is stale
             if session is None:
                 session = self._restore(session_id)
             if session.owner != owner:
@@ -173,6 +181,7 @@ class VendorSessions:
         if stored.checkpoint is not None:
             session.vendor.load_training_state(*stored.checkpoint)
             session.checkpoint_step = session.vendor.steps_done
+            session.generation = stored.checkpoint[1].get("generation")
         self._sessions[session_id] = session
         return session
 
@@ -230,9 +239,11 @@ class VendorSessions:
             reply: VendorMessage = session.vendor.handle(message)
             if isinstance(message, Upload):
                 self._store_upload(session_id, session, message, body)
-            elif isinstance(message, OutputGradient) and session.vendor.steps_done % self.checkpoint_every == 0 \
-                    and session.vendor.steps_done > session.checkpoint_step:
-                self._checkpoint(session_id, session)
+                if self.shared:
+                    self._checkpoint(session_id, session)  # a new generation: other replicas reload the uploads
+            elif isinstance(message, OutputGradient) and session.vendor.steps_done > session.checkpoint_step \
+                    and (self.shared or session.vendor.steps_done % self.checkpoint_every == 0):
+                self._checkpoint(session_id, session)  # shared: every step, so a replica never serves a stale one
             if isinstance(message, OutputGradient):
                 self.steps_taken += 1
             return to_bytes(reply), self._headers(session)
@@ -252,8 +263,9 @@ class VendorSessions:
 
     def _checkpoint(self, session_id: str, session: _Session, *, keep: bool = False) -> None:
         tensors, facts = session.vendor.training_state()
-        self.store.save_checkpoint(session_id, tensors, facts, keep=keep)
-        session.checkpoint_step = session.vendor.steps_done
+        generation = uuid.uuid4().hex
+        self.store.save_checkpoint(session_id, tensors, facts | {"generation": generation}, keep=keep)
+        session.checkpoint_step, session.generation = session.vendor.steps_done, generation
 
     def checkpoint(self, session_id: str, owner: str, keep: bool = False) -> SessionInfo:
         """Checkpoint now; ``keep`` files it under its step too, for :meth:`select` (the customer keeps one per

@@ -122,6 +122,17 @@ class SessionStore:
             _write_atomically(folder / "kept" / f"{int(facts['steps_done']):08d}.safetensors", content)
         _write_atomically(folder / CHECKPOINT_FILE, content)
 
+    def generation(self, session_id: str) -> str | None:
+        """The ``generation`` of the session's latest checkpoint, read from its header alone (cheap)."""
+        path = self._folder(session_id) / CHECKPOINT_FILE
+        try:
+            with path.open("rb") as file:
+                size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(size))
+            return json.loads(header["__metadata__"]["facts"]).get("generation")
+        except (OSError, KeyError, ValueError):
+            return None
+
     def kept_checkpoint(self, session_id: str, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         path = self._folder(session_id) / "kept" / f"{step:08d}.safetensors"
         if not path.is_file():

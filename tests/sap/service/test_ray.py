@@ -1,0 +1,50 @@
+"""`privlm sap vendor --ray`: two replicas over one shared store on a local single-node Ray cluster."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from privlm.sap import Client, SapConfig, connect, fine_tune, split_pretrained
+from privlm.service.process import free_port, start_privlm, stop
+from tests.sap.conftest import LABELS, TEXTS
+from tests.sap.service.conftest import KEYS
+
+pytestmark = pytest.mark.slow
+VALIDATION, VALIDATION_LABELS = TEXTS[:4], LABELS[:4]
+
+
+def test_replicas_share_the_sessions_and_a_restart_loses_none(vendor_model, tmp_path):
+    """Training runs through two replicas; the whole deployment is stopped mid-epoch and started again on the same
+    store. The client resumes, and the adapter is the one of an uninterrupted run in one process."""
+    port = free_port()
+    args = ["sap", "vendor", "--ray", "--replicas", "2", "--replica-cpus", "0.5", "--model", str(vendor_model),
+            "--store", str(tmp_path / "store"), "--port", str(port), "--api-key", KEYS[0]]
+    health = f"http://127.0.0.1:{port}/health"
+    processes = [start_privlm(args, health, timeout=300)]
+    config = SapConfig(blocks=0, eta=50.0, head="customer", epochs=2, batch_size=2, noise_seed=3)
+    try:
+        with Client(f"http://127.0.0.1:{port}", config=config, n_classes=2, api_key=KEYS[0], retry_for=300,
+                    cache_dir=tmp_path / "cache") as client:
+            sent, count = client.transport.exchange, 0
+
+            def exchange(message):  # type: ignore[no-untyped-def]
+                nonlocal count
+                count += 1
+                if count == 7:  # mid-epoch: the deployment goes down, and comes back on the same store
+                    stop(processes[0])
+                    threading.Thread(target=lambda: processes.append(start_privlm(args, health, timeout=300))).start()
+                return sent(message)
+
+            client.transport.exchange = exchange  # type: ignore[method-assign]
+            report = client.fit(TEXTS, LABELS, VALIDATION, VALIDATION_LABELS, progress=False)
+            remote, _ = client.adapter()
+    finally:
+        stop(*processes)
+    assert len(processes) == 2 and report.steps == 8 and report.rewinds == 1  # the step in flight, replayed
+    parties = connect(split_pretrained(str(vendor_model), config=config, n_classes=2), config=config, n_classes=2)
+    local = fine_tune(parties, TEXTS, LABELS, VALIDATION, VALIDATION_LABELS)
+    assert [vars(e) for e in report.epochs] == [vars(e) for e in local.epochs]
+    assert all(torch.equal(remote[k], local.adapter_state[k]) for k in remote)
