@@ -173,7 +173,8 @@ def sap_section(console: Console, seed: int | None) -> None:
     console.print(f"{len(train.texts)} tweets, {report.steps} steps at eta {SAP_ETA:g}: the vendor received "
                   f"{traffic['upload']['bytes_to_vendor'] / 1e6:.1f} MB of privatized token rows once, then "
                   f"{report.traffic['bytes_to_vendor'] / 1e6 - traffic['upload']['bytes_to_vendor'] / 1e6:.2f} MB of "
-                  "example ids, dL/dh and inference rows; no text, no token ids, no labels")
+                  "example ids, dL/dh and inference rows: no text, token ids or labels as such (the rows can "
+                  "still be inverted, and dL/dh still clusters by label: docs/sap.md measures both)")
     console.print(f"spent {account['eta_tokens']:.0f} eta-tokens ({account['noised_positions']} positions noised, "
                   f"{account['exact_positions']} special tokens sent as they are); validation accuracy "
                   f"{report.validation_accuracy:.2f} on {len(validation.texts)} tweets (1 epoch: a smoke test, "

@@ -23,6 +23,7 @@ from schemathesis.checks import (
     status_code_conformance,
     unsupported_method,
 )
+from schemathesis.core.parameters import ParameterLocation
 
 # Not ignored_auth: it re-sends with the session's headers; auth is tested on its own. Not
 # positive_data_acceptance: a tensor payload's validity (bytes that match the declared dtype and shape, a
@@ -38,9 +39,19 @@ CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conform
 schemathesis.serializer.alias("application/x-safetensors", "application/octet-stream")
 
 
-def fuzz_openapi(url: str, *, headers: dict[str, str] | None = None, max_examples: int = 25
-                 ) -> list[tuple[str, int]]:
-    """Every operation with generated cases under the conformance checks. Returns (path, status) of every call."""
+def fuzz_openapi(url: str, *, headers: dict[str, str] | None = None, max_examples: int = 25,
+                 path_parameters: dict[str, str] | None = None) -> list[tuple[str, int]]:
+    """Every operation with generated cases under the conformance checks. Returns (path, status) of every call.
+    ``path_parameters`` pin path parameters of that name to a value (an existing session's id, say), so that the
+    generated bodies reach what lies behind it (a DELETE keeps its generated value: the resource must survive)."""
+    pinned = path_parameters or {}
+
+    def pin(case: schemathesis.Case) -> schemathesis.Case:
+        negative = case.meta is not None and case.meta.is_negative_at(ParameterLocation.PATH)
+        if case.path_parameters and case.method.upper() != "DELETE" and not negative:  # DELETE: it must survive
+            case.path_parameters = {k: pinned.get(k, v) for k, v in case.path_parameters.items()}
+        return case
+
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     seen: list[tuple[str, int]] = []
     for result in schema.get_all_operations():
@@ -50,14 +61,14 @@ def fuzz_openapi(url: str, *, headers: dict[str, str] | None = None, max_example
         @given(case=cases)
         @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def conforms(case: schemathesis.Case) -> None:
-            response = case.call_and_validate(headers=headers, checks=CONFORMANCE)
+            response = pin(case).call_and_validate(headers=headers, checks=CONFORMANCE)
             seen.append((case.path, response.status_code))
 
         conforms()
         modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
         for case in schema.iter_coverage_cases(operation, generation_modes=modes,
                                                generation_config=schema.config.generation_for(operation=operation)):
-            response = case.call_and_validate(headers=headers, checks=CONFORMANCE)
+            response = pin(case).call_and_validate(headers=headers, checks=CONFORMANCE)
             seen.append((case.path, response.status_code))
     return seen
 

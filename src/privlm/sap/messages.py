@@ -13,7 +13,7 @@ unpickle: tensors travel as safetensors, scalars in its string metadata.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -34,15 +34,16 @@ def check_tensor(name: str, value: object, *, shape: tuple[int | None, ...],
                  dtype: torch.dtype | tuple[torch.dtype, ...], finite: bool = True) -> torch.Tensor:
     """``value`` as a tensor of rank len(shape) whose sides match ``shape`` (None: any), of ``dtype``, finite."""
     if not isinstance(value, torch.Tensor):
-        raise ProtocolError(f"{name} must be a tensor, got {type(value).__name__}")
+        raise ProtocolError(f"{name} must be a tensor, got {type(value).__name__}", limit=name)
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if value.dtype not in dtypes:
-        raise ProtocolError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {value.dtype}")
+        raise ProtocolError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {value.dtype}",
+                            limit=name)
     if value.ndim != len(shape) or any(want not in (None, got) for got, want in zip(value.shape, shape, strict=True)):
         expected = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        raise ProtocolError(f"{name} has shape {tuple(value.shape)}, expected {expected}")
+        raise ProtocolError(f"{name} has shape {tuple(value.shape)}, expected {expected}", limit=name)
     if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise ProtocolError(f"{name} contains NaN or inf")
+        raise ProtocolError(f"{name} contains NaN or inf", limit=name)
     return value
 
 
@@ -67,12 +68,14 @@ class PrivatizedBatch:
             raise ProtocolError(f"values must hold at least one sequence of one token, got shape {tuple(values.shape)}")
         mask = check_tensor("attention_mask", self.attention_mask, shape=(batch, length), dtype=torch.int64)
         if bool(((mask != 0) & (mask != 1)).any()):
-            raise ProtocolError("attention_mask must hold only 0 and 1")
+            raise ProtocolError("attention_mask must hold only 0 and 1", limit="attention_mask")
         if bool((mask.sum(dim=1) == 0).any()):
-            raise ProtocolError("attention_mask leaves a sequence with no token")
+            raise ProtocolError("attention_mask leaves a sequence with no token", limit="attention_mask")
+        if not torch.equal(mask, (torch.arange(length) < mask.sum(dim=1, keepdim=True)).long()):
+            raise ProtocolError("attention_mask must be right-padded: ones, then zeros", limit="attention_mask")
         ids = check_tensor("example_ids", self.example_ids, shape=(batch,), dtype=torch.int64)
         if bool((ids < 0).any()) or ids.unique().numel() != batch:
-            raise ProtocolError("example_ids must be distinct non-negative integers")
+            raise ProtocolError("example_ids must be distinct non-negative integers", limit="example_ids")
         return self
 
 
@@ -170,15 +173,35 @@ def from_bytes(data: bytes, *, max_bytes: int = 1 << 30) -> CustomerMessage | Ve
         raise ProtocolError(f"not a SAP message: {error}") from error
     if not isinstance(scalars, dict):
         raise ProtocolError("a SAP message's fields must be a JSON object")
-    names = {item.name for item in fields(cls)}
-    values: dict[str, Any] = {k: v for k, v in scalars.items() if k in names}
-    values.update({k: v for k, v in tensors.items() if k in names})
-    if "batch" in names and any(k.startswith("batch.") for k in tensors):
-        try:
-            values["batch"] = PrivatizedBatch(**{name: tensors[f"batch.{name}"] for name in _BATCH_FIELDS})
-        except KeyError as error:
-            raise ProtocolError(f"the batch lacks {error}") from error
-    extra = set(scalars) | {k.split(".")[0] for k in tensors}
-    if extra - names or (names - set(values)) - {"batch"}:
-        raise ProtocolError(f"a {cls.kind} message has fields {sorted(names)}; got {sorted(extra)}")
-    return cls(**values)
+    return cls(**_field_values(cls, tensors, scalars))
+
+
+def _field_values(cls: type[Any], tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's arguments: each tensor field from a tensor, each other field from JSON, every required one
+    present, nothing else; a field given in the wrong form is refused (a tensor for ``step``, say)."""
+    kinds = {item.name: "batch" if item.name == "batch" else "tensor" if "Tensor" in str(item.type) else "json"
+             for item in fields(cls)}
+    required = {item.name for item in fields(cls) if item.default is MISSING}
+    values: dict[str, Any] = {}
+    for name, value in scalars.items():
+        if kinds.get(name) == "batch" and value is None:
+            continue  # no batch: the default
+        if kinds.get(name) != "json" or isinstance(value, dict | list):
+            raise ProtocolError(f"a {cls.kind} message has no JSON field {name!r}", limit=name)
+        values[name] = value
+    batch_parts = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("batch.")}
+    for name, value in tensors.items():
+        if name.startswith("batch."):
+            continue
+        if kinds.get(name) != "tensor":
+            raise ProtocolError(f"a {cls.kind} message has no tensor field {name!r}", limit=name)
+        values[name] = value
+    if batch_parts:
+        if "batch" not in kinds or set(batch_parts) != set(_BATCH_FIELDS):
+            raise ProtocolError(f"a batch holds exactly {list(_BATCH_FIELDS)}; got {sorted(batch_parts)}",
+                                limit="batch")
+        values["batch"] = PrivatizedBatch(**batch_parts)
+    missing = required - set(values)
+    if missing:
+        raise ProtocolError(f"a {cls.kind} message needs {sorted(missing)}", limit=sorted(missing)[0])
+    return values

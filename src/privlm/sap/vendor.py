@@ -137,8 +137,6 @@ class Vendor:
 
     def _inputs(self, message: Forward) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_fingerprint(message.bottom_fingerprint)
-        if not isinstance(message.train, bool):
-            raise ProtocolError("train must be a boolean")
         if message.batch is None:
             ids = check_tensor("example_ids", message.example_ids, shape=(None,), dtype=torch.int64)
             if ids.numel() == 0:
@@ -152,6 +150,8 @@ class Vendor:
 
     def forward(self, message: Forward) -> TopOutput:
         step = check_step(message.step)
+        if not isinstance(message.train, bool):
+            raise ProtocolError("train must be a boolean", limit="train")
         if message.train and step != self.steps_done:
             raise ProtocolError(f"training step {step} is out of order: the next step is {self.steps_done}",
                                 status=409, limit="step")
@@ -172,12 +172,13 @@ class Vendor:
         return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
 
     def backward(self, message: OutputGradient) -> CutGradient | StepDone:
+        step = check_step(message.step)
         pending = self._pending
         replayed = self._replay(message)
         if replayed is not None:
             return replayed
-        if pending is None or message.step != pending.step:
-            raise ProtocolError(f"no forward pass is waiting for step {message.step!r}", status=409, limit="step")
+        if pending is None or step != pending.step:
+            raise ProtocolError(f"no forward pass is waiting for step {step}", status=409, limit="step")
         gradient = check_tensor("gradient", message.gradient, shape=tuple(pending.output.shape), dtype=torch.float32)
         self.optimizer.zero_grad(set_to_none=True)
         pending.output.backward(gradient.to(pending.output))

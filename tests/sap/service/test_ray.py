@@ -43,7 +43,8 @@ def test_replicas_share_the_sessions_and_a_restart_loses_none(vendor_model, tmp_
             remote, _ = client.adapter()
     finally:
         stop(*processes)
-    assert len(processes) == 2 and report.steps == 8 and report.rewinds == 1  # the step in flight, replayed
+    # the step in flight is replayed at least once (more if Ray routes a step's two requests apart)
+    assert len(processes) == 2 and report.steps == 8 and report.rewinds >= 1
     parties = connect(split_pretrained(str(vendor_model), config=config, n_classes=2), config=config, n_classes=2)
     local = fine_tune(parties, TEXTS, LABELS, VALIDATION, VALIDATION_LABELS)
     assert [vars(e) for e in report.epochs] == [vars(e) for e in local.epochs]

@@ -260,3 +260,92 @@ def test_killing_the_vendor_process_mid_epoch(vendor_model, tmp_path):
     local = fine_tune(parties, TEXTS, LABELS, VALIDATION, VALIDATION_LABELS)
     assert [vars(e) for e in report.epochs] == [vars(e) for e in local.epochs]
     assert all(torch.equal(remote[k], local.adapter_state[k]) for k in remote)
+
+
+def _raw_message(kind: str, tensors: dict[str, torch.Tensor], fields: dict[str, object]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors, metadata={"kind": kind, "fields": json.dumps(fields)})
+
+
+def test_fields_in_the_wrong_form_are_a_4xx(vendor_model, tmp_path):
+    """Hand-made messages whose fields come as the wrong kind of value: each a 4xx naming the field."""
+    with serving(_app(vendor_model, tmp_path / "store")) as url:
+        fingerprint = _fingerprint(url)
+        headers = {"Authorization": f"Bearer {KEYS[0]}"}
+        base = f"{url}{SESSIONS_PATH}/{_session(url, KEYS[0], fingerprint)['id']}"
+        bad = [
+            _raw_message("upload", {}, {"bottom_fingerprint": fingerprint}),  # no batch
+            _raw_message("forward", {"example_ids": torch.arange(2), "train": torch.ones(3)},
+                         {"step": 0, "bottom_fingerprint": fingerprint}),  # a tensor for a boolean
+            _raw_message("output-gradient", {"gradient": torch.zeros(2, 32), "step": torch.arange(3)}, {}),
+            _raw_message("forward", {"example_ids": torch.arange(2)},
+                         {"step": [0], "train": True, "bottom_fingerprint": fingerprint}),  # a list for a step
+            _raw_message("upload", {"batch.values": torch.zeros(1, 2, 32)}, {"bottom_fingerprint": fingerprint}),
+            to_bytes(Upload(batch=_batch(attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])),
+                            bottom_fingerprint=fingerprint)),  # not right-padded
+        ]
+        for body in bad:
+            answer = httpx.post(f"{base}/exchange", content=body, headers=headers)
+            assert 400 <= answer.status_code < 500, answer.text
+            assert answer.json()["error"]["param"], answer.text
+        request = {"n_classes": 2, "head": "customer", "bottom_fingerprint": fingerprint,
+                   "lora": {"target_modules": ["nope"]}}
+        answer = httpx.post(f"{url}{SESSIONS_PATH}", headers=headers, json=request)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "lora.target_modules"
+
+
+def test_an_upload_resent_is_stored_once_and_a_changed_one_refused(vendor_model, tmp_path):
+    with serving(_app(vendor_model, tmp_path / "store")) as url:
+        fingerprint = _fingerprint(url)
+        headers = {"Authorization": f"Bearer {KEYS[0]}"}
+        session = _session(url, KEYS[0], fingerprint)
+        base = f"{url}{SESSIONS_PATH}/{session['id']}"
+        upload = to_bytes(Upload(batch=_batch(), bottom_fingerprint=fingerprint))
+        assert [httpx.post(f"{base}/exchange", content=upload, headers=headers).status_code
+                for _ in range(3)] == [200] * 3
+        assert len(list((tmp_path / "store" / session["id"] / "uploads").iterdir())) == 1
+        changed = to_bytes(Upload(batch=_batch(), bottom_fingerprint=fingerprint))  # new random values, same ids
+        answer = httpx.post(f"{base}/exchange", content=changed, headers=headers)
+        assert answer.status_code == 409 and answer.json()["error"]["param"] == "example_ids"
+
+
+def test_idle_sessions_leave_memory_not_the_store_and_keys_have_a_quota(vendor_model, tmp_path):
+    from privlm.sap.service.sessions import SessionLimits
+
+    app = _app(vendor_model, tmp_path / "store", limits=SessionLimits(max_sessions=1, max_sessions_per_key=2))
+    with serving(app) as url:
+        fingerprint = _fingerprint(url)
+        headers = {"Authorization": f"Bearer {KEYS[0]}"}
+        first, second = _session(url, KEYS[0], fingerprint), _session(url, KEYS[0], fingerprint)
+        assert app.state.sessions.session_count == 1  # the first was checkpointed and left memory
+        upload = to_bytes(Upload(batch=_batch(), bottom_fingerprint=fingerprint))
+        answer = httpx.post(f"{url}{SESSIONS_PATH}/{first['id']}/exchange", content=upload, headers=headers)
+        assert answer.status_code == 200  # restored from the store when used
+        third = httpx.post(f"{url}{SESSIONS_PATH}", headers=headers,
+                           json={"n_classes": 2, "head": "customer", "bottom_fingerprint": fingerprint})
+        assert third.status_code == 429 and third.json()["error"]["param"] == "max_sessions_per_key"
+        assert httpx.get(f"{url}{SESSIONS_PATH}/{second['id']}", headers=headers).status_code == 200
+
+
+def test_early_stopping_selects_the_best_epoch_and_a_restart_keeps_it(vendor_model, tmp_path):
+    """With patience 1 the run stops once validation has not improved; the vendor serves the chosen epoch's
+    adapter, and still does after a restart (the selection is checkpointed)."""
+    config = _config(epochs=6, learning_rate=0.05)
+    app = _app(vendor_model, tmp_path / "store")
+    with serving(app) as url, Client(url, config=config, n_classes=2, api_key=KEYS[0],
+                                     cache_dir=tmp_path / "cache") as client:
+        report = client.fit(TEXTS, LABELS, VALIDATION, VALIDATION_LABELS, patience=1, progress=False)
+        chosen, _ = client.adapter()
+        app.state.sessions.forget(client.session_id)  # a restart: the session comes back from the store
+        again, _ = client.adapter()
+    best = max(e.validation_accuracy for e in report.epochs)
+    assert report.epochs[report.best_epoch - 1].validation_accuracy == best
+    assert report.stopped_early == (len(report.epochs) < 6)
+    assert len(report.epochs) - report.best_epoch <= 1  # patience 1: at most one epoch past the best
+    assert all(torch.equal(chosen[k], again[k]) for k in chosen)
+    ran = SapConfig(**{**vars(config), "epochs": len(report.epochs)})  # the same epochs, in one process
+    parties = connect(split_pretrained(str(vendor_model), config=ran, n_classes=2), config=ran, n_classes=2)
+    local = fine_tune(parties, TEXTS, LABELS, VALIDATION, VALIDATION_LABELS)
+    assert local.best_epoch == report.best_epoch
+    assert all(torch.equal(chosen[k], local.adapter_state[k]) for k in chosen)  # the chosen epoch's adapter

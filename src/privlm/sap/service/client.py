@@ -9,7 +9,8 @@ Resuming. Every exchange is idempotent (a retried gradient is answered from the 
 never applied twice), so a dropped connection is retried with back-off. When the vendor restarts it resumes the
 session from its last checkpoint, whose step comes with every answer; the client keeps its own state at that step
 (:meth:`privlm.sap.Customer.state`) and, on finding the vendor behind, rewinds to it and replays the steps from
-there: the same batches, the same noise (the generator is rewound too), charged once.
+there: the same batches, and for a trainable bottom the same releases, resent as they were (kept since the
+checkpoint), charged once; the noise generator is never rewound, so no noise is used twice.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from privlm.sap.training import EpochRecord, Schedule
 from privlm.sap.transport import Traffic, purpose_of
 from privlm.service import RequestRefusedError, RetryPolicy, ServerError, download_bundle, get_capped
 from privlm.service.bundle import MANIFEST_LIMIT, MAX_BUNDLE_BYTES
+
+MAX_REWINDS_WITHOUT_PROGRESS = 3
 
 
 class VendorBehindError(RuntimeError):
@@ -214,6 +217,7 @@ class Client:
         records: list[EpochRecord] = []
         kept: dict[int, tuple[int, CustomerState]] = {}  # epoch -> (step, the customer's state then)
         losses: dict[int, float] = {}  # by step: a replayed step counts once
+        stalled = 0
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("SAP fine-tuning (remote)", total=schedule.total_steps)
             while customer.step < schedule.total_steps:
@@ -234,6 +238,10 @@ class Client:
                     if isinstance(error, RequestRefusedError) and error.status != 409:
                         raise
                     self._rewind()  # the vendor restarted from its last checkpoint: replay from there
+                    stalled = stalled + 1 if customer.step <= step else 0
+                    if stalled > MAX_REWINDS_WITHOUT_PROGRESS:
+                        raise ServerError(f"the vendor sent this client back {stalled} times without a step "
+                                          f"taken in between (last: {error}); giving up") from error
                     continue
                 best = max(records, key=lambda r: (r.validation_accuracy, -r.epoch))
                 if patience is not None and epoch - best.epoch >= patience:

@@ -59,12 +59,12 @@ _EXCHANGE_OPENAPI: dict[str, object] = {
 
 
 class CheckpointRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     keep: bool = False
 
 
 class SelectRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     step: int = Field(ge=0, le=2**62)
 
 

@@ -16,10 +16,10 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from privlm._validation import check_positive_int
 from privlm.models.partition import BottomModel, split_model
@@ -41,17 +41,18 @@ from privlm.sap.vendor import Vendor
 class LoraRequest(BaseModel):
     """LoRA settings a customer may ask for."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     rank: int = Field(default=8, ge=1, le=256)
     alpha: int = Field(default=16, ge=1, le=4096)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["query", "value"], min_length=1, max_length=16)
+    target_modules: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+        default_factory=lambda: ["query", "value"], min_length=1, max_length=16)
 
 
 class SessionRequest(BaseModel):
     """What a customer asks for when it opens a fine-tuning session."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     blocks: int = Field(default=0, ge=0, description="Transformer blocks in the customer's bottom (the split "
                         "position).")
     n_classes: int = Field(ge=2, le=1024, description="The task's label count.")
@@ -86,8 +87,10 @@ class SessionInfo(BaseModel):
 class SessionLimits:
     """Bounds on what one session may hold and one message may carry."""
 
-    max_sessions: int = 16
+    max_sessions: int = 16  # in memory; more are kept in the store and restored when used
+    max_sessions_per_key: int = 8  # stored, per API key
     max_examples: int = 100_000
+    max_upload_bytes: int = 4 * 2**30  # stored uploads per session
     max_batch: int = 256
     max_tokens: int = 512
     max_message_bytes: int = 64 * 2**20
@@ -104,6 +107,7 @@ class _Session:
     owner: str
     checkpoint_step: int = 0
     generation: str | None = None  # of the checkpoint this state was written as or restored from
+    used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -143,14 +147,36 @@ class VendorSessions:
                              head_seed=request.seed)
         if top.bottom_fingerprint != fingerprint:
             raise RuntimeError("the model changed since its bottoms were exported")
-        return Vendor(top, lora=request.lora_settings(), learning_rate=request.learning_rate,
-                      send_cut_gradient=request.trainable_bottom, seed=request.seed)
+        try:
+            return Vendor(top, lora=request.lora_settings(), learning_rate=request.learning_rate,
+                          send_cut_gradient=request.trainable_bottom, seed=request.seed)
+        except ValueError as error:  # peft: target modules that are not in the top, or not layers it can adapt
+            raise ProtocolError(f"LoRA cannot adapt {request.lora.target_modules} in this model: {error}",
+                                status=400, limit="lora.target_modules") from None
+
+    def _make_room(self) -> None:
+        """Below ``max_sessions`` in memory: the least recently used idle session is checkpointed and dropped from
+        memory (the store keeps it; it is restored when next used). All busy: a 429."""
+        while len(self._sessions) >= self.limits.max_sessions:
+            for session_id, session in sorted(self._sessions.items(), key=lambda item: item[1].used):
+                if session.lock.acquire(blocking=False):
+                    try:
+                        self._checkpoint(session_id, session)
+                        del self._sessions[session_id]
+                    finally:
+                        session.lock.release()
+                    break
+            else:
+                raise ProtocolError(f"all max_sessions={self.limits.max_sessions} sessions in memory are busy; retry",
+                                    status=429, limit="max_sessions")
 
     def create(self, request: SessionRequest, owner: str) -> SessionInfo:
         with self._lock:
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise ProtocolError(f"this vendor holds max_sessions={self.limits.max_sessions} sessions; delete "
-                                    "one first", status=429, limit="max_sessions")
+            owned = sum(1 for sid in self.store.session_ids() if self.store.record(sid).get("owner") == owner)
+            if owned >= self.limits.max_sessions_per_key:
+                raise ProtocolError(f"this key holds max_sessions_per_key={self.limits.max_sessions_per_key} "
+                                    "sessions; delete one first", status=429, limit="max_sessions_per_key")
+            self._make_room()
             vendor = self._vendor(request)
             session_id = new_session_id()
             self.store.create(session_id, {"request": request.model_dump(), "owner": owner,
@@ -166,13 +192,18 @@ class VendorSessions:
             if session is not None and self.shared and self.store.generation(session_id) != session.generation:
                 session = None  # another replica moved it on since: this copy is stale
             if session is None:
-                session = self._restore(session_id)
+                session = self._restore(session_id, owner)
             if session.owner != owner:
                 raise SessionNotFoundError("no such session")
+            session.used = time.monotonic()
             return session
 
-    def _restore(self, session_id: str) -> _Session:
-        """A session this process does not hold (a restart, another replica): rebuilt from the store."""
+    def _restore(self, session_id: str, owner: str) -> _Session:
+        """A session this process does not hold (a restart, another replica): rebuilt from the store, for its
+        owner only (checked before anything is loaded)."""
+        if self.store.record(session_id).get("owner") != owner:
+            raise SessionNotFoundError("no such session")
+        self._make_room()
         stored = self.store.load(session_id)
         request = SessionRequest.model_validate(stored.record["request"])
         session = _Session(vendor=self._vendor(request), request=request, owner=str(stored.record["owner"]))
@@ -196,8 +227,8 @@ class VendorSessions:
                            checkpoint_step=session.checkpoint_step, uploaded_examples=len(session.vendor.uploaded))
 
     def delete(self, session_id: str, owner: str) -> None:
-        self._get(session_id, owner)
-        with self._lock:
+        session = self._get(session_id, owner)
+        with session.lock, self._lock:  # after any exchange in flight on it, which could write to the store
             self._sessions.pop(session_id, None)
             self.store.delete(session_id)
 
@@ -236,9 +267,11 @@ class VendorSessions:
             raise ProtocolError(f"the vendor does not take {type(message).__name__} messages")
         self._check_size(message, session)
         with session.lock:
+            fresh = isinstance(message, Upload) and self._check_upload(session_id, session, message, body)
+            before = dict(session.vendor.uploaded) if fresh else {}
             reply: VendorMessage = session.vendor.handle(message)
-            if isinstance(message, Upload):
-                self._store_upload(session_id, session, message, body)
+            if fresh:
+                self._store_upload(session_id, session, message, body, before)  # type: ignore[arg-type]
                 if self.shared:
                     self._checkpoint(session_id, session)  # a new generation: other replicas reload the uploads
             elif isinstance(message, OutputGradient) and session.vendor.steps_done > session.checkpoint_step \
@@ -248,13 +281,35 @@ class VendorSessions:
                 self.steps_taken += 1
             return to_bytes(reply), self._headers(session)
 
-    def _store_upload(self, session_id: str, session: _Session, message: Upload, body: bytes) -> None:
+    def _store_upload(self, session_id: str, session: _Session, message: Upload, body: bytes,
+                      before: dict[int, Any]) -> None:
         try:
             self.store.add_upload(session_id, body)
         except OSError:  # not durable: not accepted either
             for example_id in message.batch.example_ids.tolist():
-                session.vendor.uploaded.pop(example_id, None)
+                if example_id in before:
+                    session.vendor.uploaded[example_id] = before[example_id]
+                else:
+                    session.vendor.uploaded.pop(example_id, None)
             raise
+
+    def _check_upload(self, session_id: str, session: _Session, message: Upload, body: bytes) -> bool:
+        """Whether the upload is new. The same rows sent again (a retry) are not stored twice; other values for
+        ids already held are refused (the uploads are the training set: it does not change under a session)."""
+        batch = message.batch.check(hidden_size=session.vendor.top.hidden_size)
+        held = [i for i in batch.example_ids.tolist() if i in session.vendor.uploaded]
+        if not held:
+            if self.store.upload_bytes(session_id) + len(body) > self.limits.max_upload_bytes:
+                raise ProtocolError(f"the session's uploads would exceed max_upload_bytes="
+                                    f"{self.limits.max_upload_bytes}", status=413, limit="max_upload_bytes")
+            return True
+        for row, example_id in enumerate(batch.example_ids.tolist()):
+            values, _ = session.vendor.uploaded.get(example_id, (None, None))
+            length = int(batch.attention_mask[row].sum())
+            if values is None or not torch.equal(values, batch.values[row, :length]):
+                raise ProtocolError("an upload must hold new example ids only, or resend held ones exactly (a "
+                                    "retry): these mix them, or change held values", status=409, limit="example_ids")
+        return False
 
     @staticmethod
     def _headers(session: _Session) -> dict[str, str]:
@@ -285,6 +340,7 @@ class VendorSessions:
                 raise ProtocolError(str(error.args[0]), status=404, limit="step") from None
             adapter = {k.removeprefix("adapter."): v for k, v in tensors.items() if k.startswith("adapter.")}
             session.vendor.load_adapter_state(adapter)
+            self._checkpoint(session_id, session)  # durable, and a new generation: every replica serves it
         return self._info(session_id, session)
 
     def adapter(self, session_id: str, owner: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

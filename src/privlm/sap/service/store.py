@@ -112,6 +112,10 @@ class SessionStore:
         _write_atomically(folder / f"{number:08d}.safetensors", message)
         return number
 
+    def upload_bytes(self, session_id: str) -> int:
+        folder = self._folder(session_id) / "uploads"
+        return sum(p.stat().st_size for p in folder.glob("*.safetensors")) if folder.exists() else 0
+
     def save_checkpoint(self, session_id: str, tensors: dict[str, torch.Tensor], facts: dict[str, Any], *,
                         keep: bool = False) -> None:
         """The latest checkpoint; ``keep`` also files it under its step (an epoch's end, to select later)."""
