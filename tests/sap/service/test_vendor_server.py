@@ -349,3 +349,14 @@ def test_early_stopping_selects_the_best_epoch_and_a_restart_keeps_it(vendor_mod
     local = fine_tune(parties, TEXTS, LABELS, VALIDATION, VALIDATION_LABELS)
     assert local.best_epoch == report.best_epoch
     assert all(torch.equal(chosen[k], local.adapter_state[k]) for k in chosen)  # the chosen epoch's adapter
+
+
+def test_a_404_from_a_proxy_is_waited_out_and_the_vendors_own_is_final():
+    from privlm.sap.service.client import vendor_answer
+
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/sap/sessions/x/exchange")
+    proxy = httpx.Response(404, text="Path '/v1/sap/sessions/x/exchange' not found.", request=request)
+    assert vendor_answer(proxy).status_code == 503  # retried by the policy
+    ours = httpx.Response(404, json={"error": {"message": "no such session", "type": "not_found_error"}},
+                          request=request)
+    assert vendor_answer(ours) is ours

@@ -65,8 +65,8 @@ class HttpTransport:
         body = to_bytes(message)
         path = f"{SESSIONS_PATH}/{self.session_id}/exchange"
         start = time.perf_counter()
-        response = self.retry.call(lambda: self.http.post(path, content=body,
-                                                           headers={"content-type": SAP_MESSAGE}))
+        response = self.retry.call(lambda: vendor_answer(self.http.post(path, content=body,
+                                                                        headers={"content-type": SAP_MESSAGE})))
         self.traffic.vendor_seconds += time.perf_counter() - start  # the round trip, as the customer waits for it
         self.traffic.count(purpose_of(message), to_vendor=len(body), to_customer=len(response.content))
         self.steps_done = _int_header(response, "x-privlm-steps-done")
@@ -80,6 +80,20 @@ class HttpTransport:
         except ValueError as error:
             raise ServerError(f"the vendor's answer is not a SAP message: {error}") from error
         return reply  # type: ignore[return-value]
+
+
+def vendor_answer(response: httpx.Response) -> httpx.Response:
+    """The response, unless it is a 404 without the vendor's error body: that comes from something in front of the
+    vendor that does not know the route yet (Ray Serve's proxy while the application restarts), so it is made a
+    503, which the retry policy waits out. The vendor's own 404s (a session that does not exist) stay final."""
+    if response.status_code == 404:
+        try:
+            ours = isinstance(response.json().get("error"), dict)
+        except (ValueError, AttributeError):
+            ours = False
+        if not ours:
+            return httpx.Response(503, request=response.request, text="the vendor's route is not ready")
+    return response
 
 
 def _int_header(response: httpx.Response, name: str) -> int:
@@ -157,11 +171,12 @@ class Client:
         return dict(response.json())
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        response = self.retry.call(lambda: self.http.post(f"{SESSIONS_PATH}/{self.session_id}{path}", json=payload))
+        response = self.retry.call(lambda: vendor_answer(
+            self.http.post(f"{SESSIONS_PATH}/{self.session_id}{path}", json=payload)))
         return dict(response.json())
 
     def info(self) -> dict[str, Any]:
-        response = self.retry.call(lambda: self.http.get(f"{SESSIONS_PATH}/{self.session_id}"))
+        response = self.retry.call(lambda: vendor_answer(self.http.get(f"{SESSIONS_PATH}/{self.session_id}")))
         return dict(response.json())
 
     # --- training -----------------------------------------------------------------------------------------
@@ -266,7 +281,8 @@ class Client:
 
     def adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The trained adapter the vendor serves (LoRA, and the head when it sits there), and its settings."""
-        response = self.retry.call(lambda: self.http.get(f"{SESSIONS_PATH}/{self.session_id}/adapter"))
+        response = self.retry.call(lambda: vendor_answer(
+            self.http.get(f"{SESSIONS_PATH}/{self.session_id}/adapter")))
         data = response.content
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
         return load_safetensors(data), json.loads(header["__metadata__"]["facts"])
