@@ -24,6 +24,7 @@ def test_replicas_share_the_sessions_and_a_restart_loses_none(vendor_model, tmp_
             "--store", str(tmp_path / "store"), "--port", str(port), "--api-key", KEYS[0]]
     health = f"http://127.0.0.1:{port}/health"
     processes = [start_privlm(args, health, timeout=300)]
+    restarts: list[threading.Thread] = []
     config = SapConfig(blocks=0, eta=50.0, head="customer", epochs=2, batch_size=2, noise_seed=3)
     try:
         with Client(f"http://127.0.0.1:{port}", config=config, n_classes=2, api_key=KEYS[0], retry_for=300,
@@ -35,13 +36,17 @@ def test_replicas_share_the_sessions_and_a_restart_loses_none(vendor_model, tmp_
                 count += 1
                 if count == 7:  # mid-epoch: the deployment goes down, and comes back on the same store
                     stop(processes[0])
-                    threading.Thread(target=lambda: processes.append(start_privlm(args, health, timeout=300))).start()
+                    restarts.append(threading.Thread(
+                        target=lambda: processes.append(start_privlm(args, health, timeout=300))))
+                    restarts[-1].start()
                 return sent(message)
 
             client.transport.exchange = exchange  # type: ignore[method-assign]
             report = client.fit(TEXTS, LABELS, VALIDATION, VALIDATION_LABELS, progress=False)
             remote, _ = client.adapter()
     finally:
+        for thread in restarts:  # a restart still under way is waited for, so that it is stopped too
+            thread.join(timeout=330)
         stop(*processes)
     # the step in flight is replayed at least once (more if Ray routes a step's two requests apart)
     assert len(processes) == 2 and report.steps == 8 and report.rewinds >= 1

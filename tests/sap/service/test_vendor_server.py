@@ -235,6 +235,7 @@ def test_killing_the_vendor_process_mid_epoch(vendor_model, tmp_path):
             "--checkpoint-every", "3", "--device", "cpu", "--api-key", KEYS[0]]
     health = f"http://127.0.0.1:{port}/health"
     processes = [start_privlm(args, health)]
+    restarts: list[threading.Timer] = []
     config = _config(epochs=2)
     try:
         with Client(f"http://127.0.0.1:{port}", config=config, n_classes=2, api_key=KEYS[0], retry_for=120,
@@ -247,13 +248,16 @@ def test_killing_the_vendor_process_mid_epoch(vendor_model, tmp_path):
                 if count == 9:  # step 3's gradient: after the checkpoint at step 3, before the epoch's end
                     processes[0].kill()
                     processes[0].wait()
-                    threading.Timer(0.5, lambda: processes.append(start_privlm(args, health))).start()
+                    restarts.append(threading.Timer(0.5, lambda: processes.append(start_privlm(args, health))))
+                    restarts[-1].start()
                 return sent(message)
 
             client.transport.exchange = exchange  # type: ignore[method-assign]
             report = client.fit(TEXTS, LABELS, VALIDATION, VALIDATION_LABELS, progress=False)
             remote, _ = client.adapter()
     finally:
+        for timer in restarts:  # a restart still under way is waited for, so that it is stopped too
+            timer.join(timeout=150)
         stop(*processes)
     assert len(processes) == 2 and report.rewinds == 1 and client.retry.failed_attempts > 0
     parties = connect(split_pretrained(str(vendor_model), config=config, n_classes=2), config=config, n_classes=2)
