@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from privlm.accounting import BudgetExhaustedError, Ledger, principal_of_key
+from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.mechanisms import PrivacyUnit, Spend
 
 EPS = PrivacyUnit.EPSILON
@@ -61,9 +61,10 @@ def test_bad_units_principals_and_budgets_are_refused(tmp_path):
         Ledger(tmp_path / "other.db", budgets={"epsilon": 0.0})
 
 
-def test_principals_are_key_hashes():
-    principal = principal_of_key("sk-very-secret")
-    assert "sk-very-secret" not in principal and principal == principal_of_key("sk-very-secret")
+def test_principals_are_key_hmacs(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 1.0})
+    principal = ledger.principal_of_key("sk-very-secret")
+    assert "sk-very-secret" not in principal and principal == ledger.principal_of_key("sk-very-secret")
 
 
 def _spend_in_threads(path: str, barrier, threads: int) -> int:

@@ -342,27 +342,7 @@ def test_the_audit_log_and_the_ledger_never_hold_the_original(device_lm, tmp_pat
     assert all(SECRET not in reason for reason in reasons)
 
 
-# -- malformed requests and keys -------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("mutate", "param"), [
-    (lambda body: body.pop("input_type"), "input_type"),
-    (lambda body: body.update(input_type="both"), "input_type"),
-    (lambda body: body.update(texts=[1, 2]), "texts.0"),
-    (lambda body: body.update(texts="one text"), "texts"),
-    (lambda body: body.pop("request_data"), "request_data"),
-    (lambda body: body.update(request_data={"user_api_key_hash": 7}), "request_data.user_api_key_hash"),
-    (lambda body: body.update(images="AAAA"), "images"),
-])
-def test_malformed_requests_get_a_4xx_in_openais_shape(fake_client, mutate, param):
-    body = litellm_body([SECRET])
-    mutate(body)
-    response = post(fake_client, body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_request"
-    assert error["param"] == param
-    assert SECRET not in response.text
-
+# -- bodies that are not JSON objects (the BLOCKED shapes: test_guardrail_blocked_shapes.py), and keys ----------
 
 def test_a_body_that_is_not_a_request_gets_a_4xx(fake_client):
     for content in (b"{not json", b"[1, 2]", b'"texts"'):

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from privlm.accounting import Ledger, principal_of_key
+from privlm.accounting import Ledger
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
 from tests.gateway.conftest import EPS, TIMEOUT, B, StubUpstream, assert_openai_error, chat_body, chat_gateway
@@ -73,7 +73,7 @@ def test_concurrent_requests_from_one_key_never_overspend(gateway_on_ledger, bud
         answers = asyncio.run(burst(url, KEY_A, N_REQUESTS))
         other = post(url, KEY_B, "other-key")
     ledger = Ledger(budgeted.ledger_path, budgets={PrivacyUnit.EPSILON: budgeted.budget})
-    spent_a = ledger.spent(principal_of_key(KEY_A), PrivacyUnit.EPSILON)
+    spent_a = ledger.spent(ledger.principal_of_key(KEY_A), PrivacyUnit.EPSILON)
 
     ok = [response for response, _ in answers if response.status_code == 200]
     refused = [(response, body) for response, body in answers if response.status_code != 200]

@@ -45,7 +45,7 @@ def request_body() -> dict[str, Any]:
             {"role": "assistant", "content": [{"type": "text", "text": "Alice Smith lives in Boston."},
                                               {"type": "refusal", "refusal": "I cannot share Alice's records."}]},
             {"role": "user", "content": [{"type": "text", "text": PART_1},
-                                         {"type": "text", "text": PART_2, "x_part_field": [1, None]}]},
+                                         {"type": "text", "text": PART_2, "cache_control": {"type": "ephemeral"}}]},
             {"role": "function", "name": "lookup", "content": "Robert, Lisbon harbour"},
             {"role": "user", "content": "   "},
         ],
@@ -101,17 +101,18 @@ def test_only_user_text_is_perturbed_and_everything_else_is_forwarded_as_sent(ga
     for i in (0, 1, 3, 4, 5, 7, 8):  # system, developer, assistant, tool, function; a blank user text
         assert after[i] == before[i], i
     assert after[3]["tool_calls"][0]["function"]["arguments"] == ARGUMENTS
-    # user: the string content and each text part perturbed; their other fields kept
-    assert after[2]["content"] != PROMPT and after[2]["name"] == "alice"
+    # user: the string content and each text part perturbed; a cache marker kept; the name dropped (reported)
+    assert after[2]["content"] != PROMPT and "name" not in after[2]
     assert in_order(after[2]["content"], STOPWORDS_IN_ORDER)  # stopwords and punctuation sent unchanged
     parts = after[6]["content"]
-    assert [p["type"] for p in parts] == ["text", "text"] and parts[1]["x_part_field"] == [1, None]
+    assert [p["type"] for p in parts] == ["text", "text"] and parts[1]["cache_control"] == {"type": "ephemeral"}
     assert parts[0]["text"] != PART_1 and parts[1]["text"] != PART_2
     report = response.json()["privlm"]
     slots = [(t["message"], t["part"], t["role"]) for t in report["texts"]]
     assert slots == [(2, None, "user"), (6, 0, "user"), (6, 1, "user"), (8, None, "user")]
     assert [t["sent"] for t in report["texts"]] == [after[2]["content"], parts[0]["text"], parts[1]["text"], "   "]
     assert report["texts"][3]["epsilon_spent"] == 0  # a blank text costs nothing
+    assert report["dropped"] == ["messages.2.name"]
 
 
 def test_system_and_developer_are_perturbed_when_asked(gateways, stub):

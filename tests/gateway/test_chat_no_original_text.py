@@ -133,7 +133,7 @@ def test_no_original_text_in_audit_ledger_errors_or_logs(gateway_lm, stub, audit
     # successes, the upstream's 5xx and 4xx, and the one whose upstream was unreachable; the logs hold the traffic.
     assert len(sent) == 5 and set(sent) >= {m["content"] for body in stub.received() for m in body["messages"]}
     assert sorted(r["status"] for r in records if r["event"] == "upstream") == [200, 200, 404, 500, 502, 502]
-    assert all(r["epsilon_spent"] > 0 and r["principal"].startswith("key:")
+    assert all(r["epsilon_spent"] > 0 and r["principal"].startswith("hmac-key:")
                for r in records if r["event"] == "released")
     assert "POST /v1/chat/completions" in places["logs"] and "HTTP Request" in places["logs"]
     assert places["error bodies"].count('"error"') == len([c for c in EXPECTED if c != 200])

@@ -7,6 +7,7 @@ before any draw), the principal, and the texts the mechanism then sees.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from privlm.accounting import Ledger, principal_of_key
+from privlm.accounting import Ledger
 from privlm.cape.service.privacy import PromptPrivacy, cape_factory
 from tests.gateway.conftest import EPS, TIMEOUT, B, FakePerturber, chat_body, chat_gateway, fake_privacy
 
@@ -79,9 +80,13 @@ def assert_request_scoped(calls: list[Handed], requests: list[tuple[str, str]]) 
     assert len({c.state for c in calls}) == len(calls)
     # Each mechanism saw one request's text only, and charges the key that sent it.
     by_text = dict((text, key) for key, text in requests)
+    principals_by_key: dict[str, set[str]] = {}
     for call in calls:
         [text] = call.texts
-        assert call.principal == principal_of_key(by_text[text]) != by_text[text]  # a hash, never the key
+        assert re.fullmatch(r"hmac-key:[0-9a-f]{32}", call.principal)  # an HMAC, never the key
+        principals_by_key.setdefault(by_text[text], set()).add(call.principal)
+    assert all(len(principals) == 1 for principals in principals_by_key.values())  # one id per key
+    assert len(set.union(*principals_by_key.values())) == len(principals_by_key)  # and one key per id
 
 
 def test_every_request_gets_a_fresh_generator_and_its_callers_principal(stub):

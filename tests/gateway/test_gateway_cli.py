@@ -10,7 +10,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from privlm.accounting import Ledger, principal_of_key
+from privlm.accounting import Ledger
 from privlm.cape import LogitBound
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
@@ -49,7 +49,7 @@ def test_the_gateway_command_serves_private_chat(gateway_lm, stub, tmp_path):
     assert raw.headers["x-privlm-mechanism"] == "cape" and spent > 0
     assert float(raw.headers["x-privlm-budget-remaining"]) == pytest.approx(1000 - spent, rel=1e-5)
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 1000})
-    assert ledger.spent(principal_of_key("cli-app-key"), PrivacyUnit.EPSILON) == pytest.approx(spent, rel=1e-5)
+    assert ledger.spent(ledger.principal_of_key("cli-app-key"), PrivacyUnit.EPSILON) == pytest.approx(spent, rel=1e-5)
     assert models == ["stub-model"]  # the upstream's list, asked at start
     assert guardrail.status_code == 404  # --no-guardrail
     [sent] = stub.received()

@@ -13,9 +13,8 @@ from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
 from privlm.service.chat import ChatCompletionRequest
-from privlm.service.process import free_port
 from privlm.service.upstream import ChatUpstream
-from tests.gateway.conftest import TIMEOUT, assert_openai_error, chat_body, chat_gateway, fake_privacy
+from tests.gateway.conftest import FAILING, TIMEOUT, assert_openai_error, chat_body, chat_gateway, fake_privacy
 from tests.service.localhost import serving
 
 GUARDRAIL = "/beta/litellm_basic_guardrail_api"
@@ -33,18 +32,22 @@ def test_a_lone_surrogate_is_a_400_and_nothing_is_forwarded(stub):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_upstream_failure_after_the_charge_carries_the_report_and_is_audited(tmp_path, stream):
+def test_an_upstream_failure_after_the_charge_carries_the_report_and_is_audited(tmp_path, stub, stream):
+    # An upstream that received the release and failed: the charge stands (the text was published), the error
+    # carries the report, and no SDK retry may pay again (an unreachable upstream is refunded instead: see
+    # test_hostile_upstream.py).
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
     audit = AuditLog(tmp_path / "audit.jsonl")
-    with chat_gateway(fake_privacy(ledger=ledger), f"http://127.0.0.1:{free_port()}", audit=audit) as url:
-        response = httpx.post(f"{url}/v1/chat/completions", json=chat_body("Alice lives here", stream=stream),
-                              timeout=TIMEOUT)
-    assert_openai_error(response, 502, code="upstream_unreachable")
+    with chat_gateway(fake_privacy(ledger=ledger), stub.url, audit=audit) as url:
+        response = httpx.post(f"{url}/v1/chat/completions",
+                              json=chat_body("Alice lives here", model=FAILING, stream=stream), timeout=TIMEOUT)
+    assert_openai_error(response, 502, code="upstream_failed")
     spent = float(response.headers["x-privlm-epsilon-spent"])
     assert spent > 0 and ledger.spent("anonymous", PrivacyUnit.EPSILON) == pytest.approx(spent)
     assert float(response.headers["x-privlm-budget-remaining"]) == pytest.approx(1000.0 - spent)
+    assert response.headers["x-should-retry"] == "false"
     events = [(r["event"], r.get("status"), r.get("code")) for r in audit.records()]
-    assert events == [("released", None, None), ("upstream", 502, "upstream_unreachable")]
+    assert events == [("released", None, None), ("upstream", 500, None), ("upstream", 502, "upstream_failed")]
 
 
 def test_assistant_text_is_perturbed_only_when_asked():

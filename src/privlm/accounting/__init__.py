@@ -1,5 +1,6 @@
 """Privacy accounting: a persistent ledger of what each principal has spent."""
 
-from privlm.accounting.ledger import BudgetExhaustedError, Ledger, Receipt, principal_of_key
+from privlm.accounting.ledger import BudgetExhaustedError, KeyMigration, Ledger, Receipt
+from privlm.accounting.principals import PrincipalHasher, SecretFileError
 
-__all__ = ["BudgetExhaustedError", "Ledger", "Receipt", "principal_of_key"]
+__all__ = ["BudgetExhaustedError", "KeyMigration", "Ledger", "PrincipalHasher", "Receipt", "SecretFileError"]

@@ -3,22 +3,32 @@
 One SQLite file in WAL mode. ``spend`` runs one ``BEGIN IMMEDIATE`` transaction: it takes the
 database's write lock, reads the principal's total, refuses if the new total would pass the budget,
 and otherwise records the spend; so concurrent spends from threads and processes are serialised and
-never pass the budget together. Totals survive a restart. Nothing but the principal's id (a key's
-hash, never the key), the unit, the amount, the time and a short note is stored.
+never pass the budget together. Totals survive a restart. Nothing but the principal's id (for an API key,
+an HMAC under the ledger's own secret, kept beside it: :mod:`privlm.accounting.principals`), the unit, the amount,
+the time and a short note is stored. Ledgers of earlier versions, which kept an unsalted sha256 prefix of each key,
+are migrated by :meth:`Ledger.adopt_keys`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import math
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from privlm._validation import check_positive_finite
+from privlm.accounting.principals import (
+    LEGACY_KEY_ID,
+    PrincipalHasher,
+    SecretFileError,
+    legacy_principal_of_key,
+    secret_path_of,
+)
 from privlm.mechanisms import PrivacyUnit, Spend
 
 _SCHEMA = """
@@ -26,13 +36,20 @@ CREATE TABLE IF NOT EXISTS totals (principal TEXT NOT NULL, unit TEXT NOT NULL, 
                                    PRIMARY KEY (principal, unit));
 CREATE TABLE IF NOT EXISTS spends (id INTEGER PRIMARY KEY, principal TEXT NOT NULL, unit TEXT NOT NULL,
                                    amount REAL NOT NULL, unix_time REAL NOT NULL, note TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _BUSY_TIMEOUT_S = 60.0
+SCHEMA_VERSION = "2"  # 2: API keys named by an HMAC under the ledger's secret (1: an unsalted sha256 prefix)
+
+log = logging.getLogger("privlm.accounting")
 
 
-def principal_of_key(api_key: str) -> str:
-    """The id a ledger keeps for an API key: a sha256 prefix, so the key itself is never stored."""
-    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+@dataclass(frozen=True)
+class KeyMigration:
+    """What :meth:`Ledger.adopt_keys` did: old ids renamed to new ones, and old ids of keys not given, left."""
+
+    renamed: int
+    left: int
 
 
 class BudgetExhaustedError(Exception):
@@ -73,6 +90,71 @@ class Ledger:
         with self._connection() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+
+    @cached_property
+    def principals(self) -> PrincipalHasher:
+        """How this ledger names API keys: an HMAC under its secret, ``<ledger>.secret`` (created on first use).
+
+        A secret that has gone missing, or another than the one this ledger was started with, is refused
+        (:class:`SecretFileError`): a new secret would give every key a fresh budget."""
+        secret_path = secret_path_of(self.path)
+        with self._connection() as db:
+            row = db.execute("SELECT value FROM meta WHERE name = 'secret_check'").fetchone()
+        if row is not None and not secret_path.exists():
+            raise SecretFileError(f"the ledger {self.path} was started with the secret {secret_path}, which is gone; "
+                                  "restore it from a backup (a new one would reset every key's budget)")
+        hasher = PrincipalHasher.from_file(secret_path)
+        if row is not None and row[0] != hasher.fingerprint():
+            raise SecretFileError(f"{secret_path} is not the secret the ledger {self.path} was started with; "
+                                  "restore that one (another would reset every key's budget)")
+        with self._connection() as db:
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('secret_check', ?)", (hasher.fingerprint(),))
+        return hasher
+
+    def principal_of_key(self, api_key: str) -> str:
+        """The id this ledger keeps for ``api_key`` (an HMAC under its secret); the key itself is never stored."""
+        return self.principals.of_key(api_key)
+
+    def adopt_keys(self, api_keys: Iterable[str]) -> KeyMigration:
+        """Migrate the spends of ``api_keys`` under the old ids (an unsalted sha256 prefix) to their HMAC ids, in
+        one transaction, totals merged; old ids of other keys stay, and a warning says how many are left."""
+        renames = {legacy_principal_of_key(key): self.principal_of_key(key) for key in api_keys}
+        with self._connection() as db:
+            db.execute("PRAGMA secure_delete=ON")  # the old ids are overwritten in the file, not merely unlinked
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                renamed = sum(self._rename(db, old, new) for old, new in renames.items())
+                left = sum(1 for (principal,) in db.execute("SELECT DISTINCT principal FROM totals")
+                           if LEGACY_KEY_ID.fullmatch(principal))
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT (name) "
+                           "DO UPDATE SET value = excluded.value", (SCHEMA_VERSION,))
+                if renamed:
+                    db.execute("INSERT INTO meta VALUES ('keys_migrated', ?) ON CONFLICT (name) DO UPDATE SET "
+                               "value = excluded.value", (f"{renamed} key(s) at unix time {time.time():.0f}",))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            if renamed:
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # nor left in the write-ahead log
+        if renamed:
+            log.info("ledger %s: the spends of %d API key(s) moved from their old sha256 ids to HMAC ids",
+                     self.path, renamed)
+        if left:
+            log.warning("ledger %s holds the old (unsalted sha256) ids of %d API key(s) that are not configured now; "
+                        "their spends stay under those ids until the keys are configured again", self.path, left)
+        return KeyMigration(renamed=renamed, left=left)
+
+    @staticmethod
+    def _rename(db: sqlite3.Connection, old: str, new: str) -> int:
+        """Move ``old``'s totals (merged with ``new``'s) and spends to ``new``; 1 if it had any, else 0."""
+        rows = db.execute("SELECT unit, spent FROM totals WHERE principal = ?", (old,)).fetchall()
+        for unit, spent in rows:
+            db.execute("INSERT INTO totals VALUES (?, ?, ?) ON CONFLICT (principal, unit) "
+                       "DO UPDATE SET spent = spent + excluded.spent", (new, unit, spent))
+        db.execute("DELETE FROM totals WHERE principal = ?", (old,))
+        moved = db.execute("UPDATE spends SET principal = ? WHERE principal = ?", (new, old)).rowcount
+        return 1 if rows or moved else 0
 
     @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
@@ -138,3 +220,30 @@ class Ledger:
         row = db.execute("SELECT spent FROM totals WHERE principal = ? AND unit = ?",
                          (principal, unit.value)).fetchone()
         return float(row[0]) if row else 0.0
+
+    def refund(self, principal: str, spends: Sequence[Spend], *, note: str) -> list[Receipt]:
+        """Give back ``spends`` charged for a release that was never published (the upstream received nothing),
+        in one transaction: each is recorded as its own row (a negative amount, with ``note``) and the total
+        reduced, never below zero. Each receipt holds the amount given back and the total after it."""
+        for spend in spends:
+            if not (math.isfinite(spend.amount) and spend.amount >= 0):
+                raise ValueError(f"refund amount must be finite and >= 0, got {spend.amount}")
+        receipts = []
+        with self._connection() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for spend in spends:
+                    unit = PrivacyUnit(spend.unit)
+                    total = self._total(db, principal, unit)
+                    given = min(spend.amount, total)
+                    db.execute("UPDATE totals SET spent = ? WHERE principal = ? AND unit = ?",
+                               (total - given, principal, unit.value))
+                    db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) VALUES (?, ?, ?, ?, ?)",
+                               (principal, unit.value, -given, time.time(), note[:200]))
+                    receipts.append(Receipt(principal=principal, spend=Spend(unit, given), total=total - given,
+                                            budget=self.budget(unit)))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return receipts

@@ -5,14 +5,42 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
+
+if TYPE_CHECKING:
+    from typer._click import Context  # typer carries its own click; TyperGroup.invoke takes its Context
+
+
+def _is_a_failed_request(error: BaseException) -> bool:
+    """A server refused the request (4xx), failed (5xx, a malformed answer) or could not be reached."""
+    import httpx
+
+    from privlm.service.retry import RequestRefusedError, ServerError
+
+    return isinstance(error, RequestRefusedError | ServerError | httpx.HTTPError)
+
+
+class _FailedRequestsAsOneLine(TyperGroup):
+    """Every command, at any depth: a request a server refused or failed is one line on stderr and exit status 1,
+    not a traceback (the server's answer is the user's business; privlm's own failures still show theirs)."""
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as error:
+            if not _is_a_failed_request(error):
+                raise
+            typer.echo(f"Error: {' '.join(str(error).split()) or type(error).__name__}", err=True)
+            raise typer.Exit(1) from None
+
 
 app = typer.Typer(help="privlm: use language models without handing your text to the provider.",
-                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+                  no_args_is_help=True, pretty_exceptions_show_locals=False, cls=_FailedRequestsAsOneLine)
 bench_app = typer.Typer(help="Benchmarks: named sweeps that write results.json, results.md and plots.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

@@ -1,4 +1,5 @@
-"""``privlm bench chat``: the chat gateway's added latency, time to first token and throughput."""
+"""``privlm bench chat``: the chat gateway's added latency, time to first token and throughput; ``privlm bench
+survival``: how often Cape releases a sensitive word unchanged, per epsilon."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import bench_app, console, parse_list
+from privlm.cli.app import bench_app, console, parse_levels, parse_list
 
 
 def _client_counts(text: str) -> tuple[int, ...]:
@@ -42,4 +43,23 @@ def bench_chat(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     files = run_chat_bench(setting, out, console)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+@bench_app.command("survival")
+def bench_survival(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/survival"),
+    epsilons: Annotated[str, typer.Option(help="Comma-separated epsilons per token.")] = "1,2,4,6,8,12",
+    device_model: Annotated[str, typer.Option(help="Cape's device model (smollm2, or a local folder).")
+                            ] = "smollm2",
+) -> None:
+    """The exact probability that Cape releases each sensitive word of fixed prompts unchanged ("Seattle",
+    "diabetes", names), per epsilon, from the mechanism's own output law (no sampling)."""
+    from privlm.eval.sweeps.survival import SurvivalSetting, run_survival_bench
+
+    try:
+        setting = SurvivalSetting(epsilons=tuple(parse_levels(epsilons)), device_model=device_model)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_survival_bench(setting, out, console)
     console.print(f"Wrote {', '.join(str(f) for f in files)}")

@@ -54,6 +54,9 @@ def gateway(
                                                      "audio and files in perturbed messages.")] = "refuse",
     report_in_body: Annotated[bool, typer.Option("--report-in-body", help="Chat: a `privlm` report field in every "
                                                                           "answer (a request can also ask).")] = False,
+    message_names: Annotated[str, typer.Option(help="Chat: the `name` of a perturbed message: drop (removed, and "
+                                                    "reported), perturb (like its text, and charged) or refuse "
+                                                    "(400).")] = "drop",
     extract: Annotated[bool, typer.Option("--extract", help="Chat: a local model rewrites each answer for the "
                                                             "original prompt (InferDPT's extraction; no privacy "
                                                             "cost).")] = False,
@@ -71,7 +74,12 @@ def gateway(
     audit_log: Annotated[Path | None, typer.Option(help="Chat: audit log of what was sent (.jsonl or .sqlite); "
                                                         "never the original text.")] = None,
     max_prompt_tokens: Annotated[int, typer.Option(help="Chat: most tokens perturbed per request.")] = 8192,
-    upstream_timeout: Annotated[float, typer.Option(help="Chat: seconds to wait for the upstream's answer.")] = 300.0,
+    upstream_timeout: Annotated[float, typer.Option(help="Chat: deadline in seconds for the upstream's whole answer "
+                                                         "(the whole body, or the whole stream).")] = 300.0,
+    upstream_idle_timeout: Annotated[float, typer.Option(help="Chat: a stream's longest wait in seconds for its next "
+                                                              "whole event.")] = 120.0,
+    max_upstream_answer_bytes: Annotated[int, typer.Option(help="Chat: the largest upstream answer read (a stream: "
+                                                                "the largest event); over it, a 502.")] = 32 * 2**20,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8001,
@@ -118,9 +126,12 @@ def gateway(
     chat = None if chat_upstream is None else _chat_setup(
         chat_upstream, key_env=chat_upstream_key_env, epsilon=epsilon, mechanism=mechanism, logit_bound=logit_bound,
         device_model=device_model, models=chat_model, perturb_system=perturb_system, non_text_parts=non_text_parts,
-        report_in_body=report_in_body, extract_model=extract_model if extract else None, budget=chat_budget,
+        report_in_body=report_in_body, message_names=message_names,
+        extract_model=extract_model if extract else None, budget=chat_budget,
         ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge, audit_log=audit_log,
-        max_prompt_tokens=max_prompt_tokens, upstream_timeout=upstream_timeout, device=device, shared=not keys)
+        max_prompt_tokens=max_prompt_tokens, upstream_limits=(upstream_timeout, upstream_idle_timeout,
+                                                              max_upstream_answer_bytes),
+        device=device, shared=not keys)
     try:
         gateway_app = create_privacy_gateway(embeddings=embeddings, chat=chat, api_keys=keys, **service)
     except ValueError as error:
@@ -154,11 +165,13 @@ def _embeddings_setup(server: str, *, eta: float | None, server_key: str | None,
 
 def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mechanism: str, logit_bound: Path | None,
                 device_model: str, models: list[str] | None, perturb_system: bool, non_text_parts: str,
-                report_in_body: bool, extract_model: str | None, budget: float | None, ledger: Path | None,
+                report_in_body: bool, message_names: str, extract_model: str | None, budget: float | None,
+                ledger: Path | None,
                 guardrail: bool, guardrail_charge: str, audit_log: Path | None, max_prompt_tokens: int,
-                upstream_timeout: float, device: str, shared: bool) -> ChatSetup:
+                upstream_limits: tuple[float, float, int], device: str, shared: bool) -> ChatSetup:
     from privlm.cape import LogitBound
     from privlm.cape.service.chat import ChatOptions
+    from privlm.cape.service.messages import MESSAGE_NAMES
     from privlm.eval.text_mechanisms import text_mechanism
     from privlm.gateway import ChatSetup, mechanism_privacy
     from privlm.models.language import LanguageModel
@@ -170,9 +183,16 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
         raise typer.BadParameter("--chat-upstream needs --epsilon (per perturbed token)", param_hint="--epsilon")
     _positive(epsilon, "--epsilon")
     _positive(budget, "--chat-budget")
-    _positive(upstream_timeout, "--upstream-timeout")
+    deadline, idle_timeout, max_answer_bytes = upstream_limits
+    _positive(deadline, "--upstream-timeout")
+    _positive(idle_timeout, "--upstream-idle-timeout")
+    if max_answer_bytes < 1:
+        raise typer.BadParameter(f"must be >= 1, got {max_answer_bytes}", param_hint="--max-upstream-answer-bytes")
     if non_text_parts not in ("refuse", "pass"):
         raise typer.BadParameter("must be refuse or pass", param_hint="--non-text-parts")
+    names = next((choice for choice in MESSAGE_NAMES if choice == message_names), None)
+    if names is None:
+        raise typer.BadParameter("must be drop, perturb or refuse", param_hint="--message-names")
     if guardrail_charge not in ("key", "end-user"):
         raise typer.BadParameter("must be key or end-user", param_hint="--guardrail-charge")
     if ledger is not None and budget is None:
@@ -183,7 +203,8 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
             raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public sample "
                              "prompts and pass --logit-bound logit_bound.json")
         bound = LogitBound.load(logit_bound) if logit_bound is not None else None
-        upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, read_timeout=upstream_timeout)
+        upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, deadline=deadline,
+                                idle_timeout=idle_timeout, max_answer_bytes=max_answer_bytes)
         audit = AuditLog(audit_log) if audit_log is not None else None
         model = LanguageModel.from_pretrained(device_model, device=device)
         path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{_unit_of(chosen.name)}.sqlite"
@@ -207,7 +228,7 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
     parts: Literal["refuse", "pass"] = "pass" if non_text_parts == "pass" else "refuse"
     return ChatSetup(privacy=privacy, upstream=upstream, models=listed,
                      options=ChatOptions(perturb_system=perturb_system, non_text_parts=parts,
-                                         report_in_body=report_in_body),
+                                         report_in_body=report_in_body, message_names=names),
                      audit=audit, extractor=extractor, guardrail=guardrail, guardrail_charge=charge)
 
 

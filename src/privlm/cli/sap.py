@@ -148,6 +148,8 @@ def customer(
     delete: Annotated[bool, typer.Option("--delete", help="Delete the session at the vendor at the end (after "
                                                           "--out is written); by default it stays, to serve "
                                                           "inference.")] = False,
+    retry_for: Annotated[float, typer.Option(min=0.1, help="Seconds to ride out a vendor that is down or busy "
+                                                           "(retries with back-off) before giving up.")] = 120.0,
 ) -> None:
     """Fine-tune on your labelled texts against a vendor: privatized here, LoRA trained there; a report at the
     end (validation accuracy, eta spent, bytes, time)."""
@@ -172,7 +174,7 @@ def customer(
 
     key = _keys_or_usage_error(lambda: load_key(api_key, key_file=api_key_file, env_var=CUSTOMER_KEY_ENV,
                                                 option="--api-key"))
-    with Client(url, config=config, n_classes=n_classes, api_key=key) as client:
+    with Client(url, config=config, n_classes=n_classes, api_key=key, retry_for=retry_for) as client:
         report = client.fit([texts[i] for i in train], [labels[i] for i in train],
                             [texts[i] for i in validation], [labels[i] for i in validation], patience=patience)
         facts = report.to_dict()

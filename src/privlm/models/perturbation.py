@@ -76,6 +76,12 @@ class PromptReport:
     def n_changed(self) -> int:
         return sum(1 for t in self.tokens if t.changed)
 
+    @property
+    def n_unchanged(self) -> int:
+        """Tokens that went through the mechanism and were released as themselves (it may draw the original)."""
+        return sum(1 for t in self.tokens
+                   if t.outcome in (TokenOutcome.PERTURBED, TokenOutcome.UNKNOWN) and not t.changed)
+
 
 @dataclass(frozen=True)
 class PerturbedPrompt:

@@ -24,6 +24,11 @@ from safetensors.torch import save as save_safetensors
 from privlm.wire import WireError
 
 OutputKind = Literal["logits", "representation"]
+# The largest magnitude of one entry of a released representation or of a returned gradient that a vendor accepts
+# (by default; ``SessionLimits.max_abs_value``). Honest values are far below it: on MiniLM embedding rows hold
+# entries up to 1.05, hidden states up to about 11; d_chi noise adds about sqrt(d) / eta per entry (4 at eta 5);
+# dL/dlogits lies in [-1, 1]. Far larger finite values (1e38) overflow the top, or its optimiser's moments.
+MAX_ABS_VALUE = 1e4
 
 
 class ProtocolError(WireError):
@@ -31,8 +36,10 @@ class ProtocolError(WireError):
 
 
 def check_tensor(name: str, value: object, *, shape: tuple[int | None, ...],
-                 dtype: torch.dtype | tuple[torch.dtype, ...], finite: bool = True) -> torch.Tensor:
-    """``value`` as a tensor of rank len(shape) whose sides match ``shape`` (None: any), of ``dtype``, finite."""
+                 dtype: torch.dtype | tuple[torch.dtype, ...], finite: bool = True,
+                 max_abs: float | None = None) -> torch.Tensor:
+    """``value`` as a tensor of rank len(shape) whose sides match ``shape`` (None: any), of ``dtype``, finite, and
+    with no entry larger than ``max_abs`` in magnitude (when given)."""
     if not isinstance(value, torch.Tensor):
         raise ProtocolError(f"{name} must be a tensor, got {type(value).__name__}", limit=name)
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
@@ -44,7 +51,16 @@ def check_tensor(name: str, value: object, *, shape: tuple[int | None, ...],
         raise ProtocolError(f"{name} has shape {tuple(value.shape)}, expected {expected}", limit=name)
     if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
         raise ProtocolError(f"{name} contains NaN or inf", limit=name)
+    if max_abs is not None and value.is_floating_point():
+        _check_magnitude(name, value, max_abs)
     return value
+
+
+def _check_magnitude(name: str, value: torch.Tensor, max_abs: float) -> None:
+    largest = float(value.abs().max()) if value.numel() else 0.0
+    if largest > max_abs:
+        raise ProtocolError(f"{name} holds an entry of magnitude {largest:.3g}, beyond the vendor's bound "
+                            f"max_abs_value={max_abs:g}", limit=name, code="value_out_of_range")
 
 
 def check_step(step: object) -> int:
@@ -61,8 +77,9 @@ class PrivatizedBatch:
     values: torch.Tensor
     attention_mask: torch.Tensor
 
-    def check(self, *, hidden_size: int) -> PrivatizedBatch:
-        values = check_tensor("values", self.values, shape=(None, None, hidden_size), dtype=torch.float32)
+    def check(self, *, hidden_size: int, max_abs: float = MAX_ABS_VALUE) -> PrivatizedBatch:
+        values = check_tensor("values", self.values, shape=(None, None, hidden_size), dtype=torch.float32,
+                              max_abs=max_abs)
         batch, length = values.shape[:2]
         if batch < 1 or length < 1:
             raise ProtocolError(f"values must hold at least one sequence of one token, got shape {tuple(values.shape)}")

@@ -4,7 +4,9 @@ One training step is two messages. ``Forward(step, train=True)`` runs the top an
 ``OutputGradient(step)`` backpropagates the customer's dL/d(output) into LoRA (and the head when it sits here),
 takes one AdamW step, and answers ``CutGradient`` (dL/d(cut), a trainable bottom) or ``StepDone``. A step number
 must be the next one; a repeated ``Forward`` for the step in flight replaces it (a retry). Every message is
-checked in full before anything changes, so a bad one leaves the vendor as it was.
+checked in full before anything changes, so a bad one leaves the vendor as it was: that includes entries beyond
+``max_abs_value`` in magnitude, and a step that would leave a parameter or an optimiser moment non-finite (it is
+undone, and the step stays in flight for a gradient that works).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
+from privlm._validation import check_positive_finite
 from privlm.models.partition import TopModel
 from privlm.sap.config import LoraSettings
 from privlm.sap.messages import (
+    MAX_ABS_VALUE,
     CustomerMessage,
     CutGradient,
     Forward,
@@ -59,18 +63,27 @@ def _digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode() + data.numpy().tobytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """The trainable parameters and the optimiser's state before a step, to undo a step that went non-finite."""
+
+    parameters: list[torch.Tensor]
+    optimizer_state: dict[torch.Tensor, dict[str, Any]]
+
+
 @dataclass
 class _Pending:
     step: int
     output: torch.Tensor
     cut: torch.Tensor | None  # a leaf with requires_grad when the customer wants the cut gradient
+    inputs: tuple[torch.Tensor, torch.Tensor]  # values and mask, to run the forward pass again after an undone step
 
 
 class Vendor:
     """The vendor's party. ``top`` carries the head when it sits at the vendor."""
 
     def __init__(self, top: TopModel, *, lora: LoraSettings | None = None, learning_rate: float = 1e-3,
-                 send_cut_gradient: bool = False, seed: int = 0) -> None:
+                 send_cut_gradient: bool = False, seed: int = 0, max_abs_value: float = MAX_ABS_VALUE) -> None:
         if hasattr(top, "peft_config"):
             raise ValueError("this top already carries LoRA adapters (a top serves one vendor); split the model again")
         self.top = top
@@ -78,6 +91,7 @@ class Vendor:
         self.model = add_lora(top, self.lora, seed=seed)
         self.model.eval()  # the frozen layers' own dropout stays off; LoRA's is switched on per training step
         self.seed = seed
+        self.max_abs_value = check_positive_finite("max_abs_value", max_abs_value)
         self.send_cut_gradient = send_cut_gradient
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=learning_rate)
         self.device = next(top.parameters()).device
@@ -112,7 +126,7 @@ class Vendor:
 
     def upload(self, message: Upload) -> Uploaded:
         self._check_fingerprint(message.bottom_fingerprint)
-        batch = message.batch.check(hidden_size=self.top.hidden_size)
+        batch = message.batch.check(hidden_size=self.top.hidden_size, max_abs=self.max_abs_value)
         rows = {}
         for example_id, values, mask in zip(batch.example_ids.tolist(), batch.values, batch.attention_mask,
                                             strict=True):
@@ -142,7 +156,7 @@ class Vendor:
             if ids.numel() == 0:
                 raise ProtocolError("example_ids must not be empty")
             return self._stored_batch(ids)
-        batch = message.batch.check(hidden_size=self.top.hidden_size)
+        batch = message.batch.check(hidden_size=self.top.hidden_size, max_abs=self.max_abs_value)
         if not torch.equal(check_tensor("example_ids", message.example_ids, shape=(None,), dtype=torch.int64),
                            batch.example_ids):
             raise ProtocolError("example_ids must be the batch's example ids", limit="example_ids")
@@ -161,6 +175,13 @@ class Vendor:
             with torch.no_grad():
                 output = _finite(self.model(values, mask))
             return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
+        self._pending = self._training_forward(step, values, mask)
+        return TopOutput(step=step, output=self.output_kind,  # type: ignore[arg-type]
+                         values=self._pending.output.detach().cpu())
+
+    def _training_forward(self, step: int, values: torch.Tensor, mask: torch.Tensor) -> _Pending:
+        """The top on ``values``, its graph kept for the step (LoRA's dropout seeded by the step: run again, it
+        gives the same output)."""
         cut = values.clone().requires_grad_(self.send_cut_gradient)
         if self.lora.dropout > 0:
             with lora_dropout(self.model, seed=dropout_seed(self.seed, step), device=self.device):
@@ -168,8 +189,7 @@ class Vendor:
         else:
             output = self.model(cut, mask)
         _finite(output)
-        self._pending = _Pending(step=step, output=output, cut=cut if self.send_cut_gradient else None)
-        return TopOutput(step=step, output=self.output_kind, values=output.detach().cpu())  # type: ignore[arg-type]
+        return _Pending(step=step, output=output, cut=cut if self.send_cut_gradient else None, inputs=(values, mask))
 
     def backward(self, message: OutputGradient) -> CutGradient | StepDone:
         step = check_step(message.step)
@@ -179,10 +199,9 @@ class Vendor:
             return replayed
         if pending is None or step != pending.step:
             raise ProtocolError(f"no forward pass is waiting for step {step}", status=409, limit="step")
-        gradient = check_tensor("gradient", message.gradient, shape=tuple(pending.output.shape), dtype=torch.float32)
-        self.optimizer.zero_grad(set_to_none=True)
-        pending.output.backward(gradient.to(pending.output))
-        self.optimizer.step()
+        gradient = check_tensor("gradient", message.gradient, shape=tuple(pending.output.shape), dtype=torch.float32,
+                                max_abs=self.max_abs_value)
+        self._take_step(pending, gradient)
         self._pending = None
         self.steps_done += 1
         reply: CutGradient | StepDone = StepDone(step=pending.step)
@@ -190,6 +209,43 @@ class Vendor:
             reply = CutGradient(step=pending.step, gradient=pending.cut.grad.detach().cpu())
         self._last = _LastStep(step=pending.step, gradient_digest=_digest(gradient), reply=reply)
         return reply
+
+    def _take_step(self, pending: _Pending, gradient: torch.Tensor) -> None:
+        """Backpropagate and take one AdamW step. A step that leaves anything non-finite is undone and refused; its
+        forward pass is run again (the first one's graph is spent), so the step stays in flight, as it was."""
+        before = self._snapshot()
+        self.optimizer.zero_grad(set_to_none=True)
+        pending.output.backward(gradient.to(pending.output))
+        self.optimizer.step()
+        if not self._all_finite(pending.cut):
+            self._restore(before)
+            self._pending = self._training_forward(pending.step, *pending.inputs)
+            raise ProtocolError(f"this gradient makes step {pending.step} leave the adapter, its optimiser's moments "
+                                "or the cut gradient non-finite: the step is undone and still waits for a gradient",
+                                limit="gradient", code="step_not_finite")
+
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _snapshot(self) -> _Snapshot:
+        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in moments.items()}
+                 for p, moments in self.optimizer.state.items()}
+        return _Snapshot(parameters=[p.detach().clone() for p in self._trainable()], optimizer_state=state)
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        with torch.no_grad():
+            for parameter, saved in zip(self._trainable(), snapshot.parameters, strict=True):
+                parameter.copy_(saved)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(snapshot.optimizer_state)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _all_finite(self, cut: torch.Tensor | None) -> bool:
+        tensors = [*self._trainable(), *(v for moments in self.optimizer.state.values() for v in moments.values()
+                                         if isinstance(v, torch.Tensor))]
+        if cut is not None and cut.grad is not None:
+            tensors.append(cut.grad)
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
 
     def _replay(self, message: OutputGradient) -> CutGradient | StepDone | None:
         """The answer already given, when the last step's gradient arrives again (its answer was lost): the

@@ -104,8 +104,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(WireError)
     async def wire_error(_: Request, error: WireError) -> JSONResponse:
-        return error_response(error.status, str(error), param=error.limit,
-                              code="limit_exceeded" if error.status == 413 else "invalid_payload")
+        default = "limit_exceeded" if error.status == 413 else "invalid_payload"
+        return error_response(error.status, str(error), param=error.limit, code=error.code or default)
 
     @app.exception_handler(BudgetExhaustedError)
     async def budget_exhausted(_: Request, error: BudgetExhaustedError) -> JSONResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import re
@@ -15,7 +16,7 @@ from typing import Annotated
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from privlm.accounting import principal_of_key
+from privlm.accounting import Ledger, PrincipalHasher
 from privlm.service.errors import ServiceError
 
 ANONYMOUS = "anonymous"
@@ -30,26 +31,46 @@ class BearerKeys:
 
     Keys are compared as sha256 digests with :func:`secrets.compare_digest`, against every accepted
     key, so the time taken does not depend on how much of a key matched or on which key it was.
+
+    A caller is named by ``principals`` (an HMAC of its key, :mod:`privlm.accounting.principals`), here where
+    its key is checked, so ledgers, audit logs and rate limits see only that id. The default secret lasts one
+    process; :meth:`charging` names callers as a ledger does, under the ledger's persistent secret.
     """
 
-    def __init__(self, keys: Sequence[str] = ()) -> None:
+    def __init__(self, keys: Sequence[str] = (), *, principals: PrincipalHasher | None = None) -> None:
         if any(not isinstance(key, str) or not key.strip() for key in keys):
             raise ValueError("api keys must be non-empty strings; an empty key would leave the service open")
         if any(not _KEY_CHARACTERS.fullmatch(key) for key in keys):
             raise ValueError("api keys must be visible ASCII without spaces; another key could never match")
+        self._keys = tuple(keys)  # only to migrate ledgers of old ids (adopt_keys)
         self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+        self.principals = principals or PrincipalHasher.ephemeral()
+
+    def charging(self, ledger: Ledger | None) -> BearerKeys:
+        """The same keys, naming callers as ``ledger`` does (under its secret), after moving its spends under
+        these keys' old ids to the new ones (:meth:`Ledger.adopt_keys`). Itself without a ledger or keys."""
+        if ledger is None or self.open:
+            return self
+        ledger.adopt_keys(self._keys)
+        charged = copy.copy(self)
+        charged.principals = ledger.principals
+        return charged
+
+    def principal(self, key: str) -> str:
+        """The id of an (accepted) key."""
+        return self.principals.of_key(key)
 
     @property
     def open(self) -> bool:
         return not self._digests
 
     def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
-        """The principal: a hash of the caller's key, or ``anonymous`` on an open service."""
+        """The principal: an HMAC of the caller's key, or ``anonymous`` on an open service."""
         if self.open:
             return ANONYMOUS
         if credentials is None or not self.accepts(credentials.credentials):
             raise self.refusal()
-        return principal_of_key(credentials.credentials)
+        return self.principal(credentials.credentials)
 
     @property
     def dependency(self) -> Callable[..., str]:

@@ -14,11 +14,12 @@ import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 FinishReason = Literal["stop", "length"]
 MAX_STOP_SEQUENCES = 4  # OpenAI's cap
+MAX_MODEL_NAME = 256  # no model id is longer; a longer one is refused, never forwarded
 
 
 def _encodable(value: object) -> object:
@@ -64,24 +65,29 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Role
     content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, description="The participant's name (of a perturbed message: see the gateway's "
+                                                "--message-names).")
 
-    _valid_content = field_validator("content")(_encodable)
+    _valid_content = field_validator("content", "name")(_encodable)
 
 
 class ChatCompletionRequest(BaseModel):
-    """The fields privlm's chat services read; any other field is kept (and forwarded by a gateway)."""
+    """The fields privlm's chat services read; any other field is kept (and forwarded by a gateway).
+
+    Booleans and integers are strict: ``"yes"`` is not true and ``true`` is not 1 (a gateway forwards what it
+    validated, so a lax parse would change the request)."""
 
     model_config = ConfigDict(extra="allow")
-    model: str
+    model: str = Field(min_length=1, max_length=MAX_MODEL_NAME)
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool | None = False
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    stream: StrictBool | None = False
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = Field(None, ge=1)
+    seed: StrictInt | None = None
+    n: StrictInt | None = Field(None, ge=1)
 
     def stop_sequences(self) -> list[str]:
         """``stop`` as a list (at most four non-empty strings, as OpenAI allows)."""

@@ -35,7 +35,6 @@ from collections import Counter
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from privlm.accounting import principal_of_key
 from privlm.service.auth import BearerKeys, bearer_key
 from privlm.service.errors import error_response
 
@@ -88,7 +87,7 @@ class BodyLimitMiddleware:
             await self._busy(scope, receive, send)
             return
         key = None if self.auth.open else bearer_key(authorization[0] if authorization else None)
-        caller = principal_of_key(key) if key is not None else None  # the key was accepted above
+        caller = self.auth.principal(key) if key is not None else None  # the key was accepted above
         if caller is not None and self.in_flight_by_caller[caller] >= self.max_in_flight_per_caller:
             await self._too_many(scope, receive, send)
             return

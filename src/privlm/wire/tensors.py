@@ -44,12 +44,14 @@ SEQUENCE_HEADER_PATTERNS: dict[str, str] = {
 
 class WireError(ValueError):
     """A malformed or over-limit payload. ``status`` is the HTTP status to answer with; ``limit`` names
-    the limit or field at fault."""
+    the limit or field at fault; ``code``, when given, is the error's machine-readable reason (the services
+    otherwise answer ``limit_exceeded`` for a 413 and ``invalid_payload`` for the rest)."""
 
-    def __init__(self, message: str, *, status: int = 422, limit: str | None = None) -> None:
+    def __init__(self, message: str, *, status: int = 422, limit: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.limit = limit
+        self.code = code
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ One request:
      generator for this request, the caller's budget charged before any draw (429 when exhausted), and any
      failure fails closed (nothing is forwarded);
   3. forward the request with the perturbed texts, and nothing else changed but privlm's own ``privlm`` field
-     removed; the upstream's answer comes back as it is, streamed chunk by chunk when asked for (perturbation
+     removed; the upstream's answer comes back as it is, streamed event by event when asked for (perturbation
      happens before the call: nothing is held back), with the privacy report in ``x-privlm-*`` headers.
 
 Optional: the report in the body as well (a ``privlm`` field; in a stream, one event before the upstream's,
@@ -25,13 +25,19 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-import httpx
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from privlm.cape.service.extraction import AnswerExtractor, collect_stream
-from privlm.cape.service.messages import NonTextParts, TextSlot, text_slots, with_texts
+from privlm.cape.service.messages import (
+    MessageNames,
+    NonTextParts,
+    TextSlot,
+    dropped_fields,
+    text_slots,
+    with_texts,
+)
 from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
 from privlm.service import BearerKeys, FairScheduler, ModelEntry, ServiceError, ServiceOptions, catalog_router
 from privlm.service import create_service_app as _create_service_app
@@ -46,7 +52,14 @@ from privlm.service.chat import (
     now,
     sse_event,
 )
-from privlm.service.upstream import ChatUpstream, UpstreamAnswer, passed_headers, upstream_error
+from privlm.service.upstream import (
+    ChatUpstream,
+    NothingSentError,
+    UpstreamAnswer,
+    UpstreamStream,
+    UpstreamStreamError,
+    upstream_error,
+)
 
 MAX_REQUEST_BYTES = 4 * 2**20
 UPSTREAM_PATH = "chat/completions"
@@ -56,7 +69,8 @@ class PrivlmOptions(BaseModel):
     """privlm's own request field (removed before forwarding)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # strict: `true` is not epsilon 1, `0` not False
-    epsilon: float | None = Field(None, gt=0, description="A lower epsilon per token for this request (never higher).")
+    epsilon: float | None = Field(None, gt=0, description="A lower epsilon per token for this request (never higher; "
+                                                          "with the x-privlm-epsilon header too, the smaller one).")
     report: bool = Field(False, description="Also put the privacy report in the body (a `privlm` field).")
 
 
@@ -68,11 +82,13 @@ class PrivateChatRequest(ChatCompletionRequest):
 class ChatOptions:
     """``perturb_system``: also perturb system and developer messages. ``non_text_parts``: refuse (400) or pass
     through unchanged the non-text parts of perturbed messages. ``report_in_body``: the ``privlm`` body field
-    on every answer (else only when a request asks for it)."""
+    on every answer (else only when a request asks for it). ``message_names``: the ``name`` of a perturbed
+    message is dropped (and reported), perturbed like its text, or refused (400)."""
 
     perturb_system: bool = False
     non_text_parts: NonTextParts = "refuse"
     report_in_body: bool = False
+    message_names: MessageNames = "drop"
 
 
 def _header(description: str) -> dict[str, object]:
@@ -88,39 +104,49 @@ PRIVACY_HEADERS = {
     "x-privlm-tokens": _header("Tokens in the perturbed texts."),
     "x-privlm-tokens-perturbed": _header("Tokens that went through the mechanism (the others are stopwords and "
                                          "punctuation, sent unchanged)."),
+    "x-privlm-tokens-unchanged": _header("Of the perturbed tokens, those the mechanism released as themselves: "
+                                         "sensitive tokens that crossed unchanged."),
+    "x-privlm-fields-dropped": _header("When fields were removed before forwarding (a perturbed message's name): "
+                                       "their paths, comma-separated."),
     "x-privlm-budget-remaining": _header("With a ledger: the caller's budget left."),
 }
 
 
-def privacy_headers(result: PrivateTexts, request_id: str) -> dict[str, str]:
+def privacy_headers(result: PrivateTexts, request_id: str, dropped: Sequence[str] = ()) -> dict[str, str]:
     headers = {"x-privlm-request-id": request_id, "x-privlm-mechanism": result.mechanism,
                "x-privlm-epsilon": f"{result.epsilon:g}", "x-privlm-epsilon-spent": f"{result.spent:.6g}",
-               "x-privlm-tokens": str(result.tokens), "x-privlm-tokens-perturbed": str(result.tokens_perturbed)}
+               "x-privlm-tokens": str(result.tokens), "x-privlm-tokens-perturbed": str(result.tokens_perturbed),
+               "x-privlm-tokens-unchanged": str(result.tokens_unchanged)}
     if result.budget_remaining is not None:
         headers["x-privlm-budget-remaining"] = f"{result.budget_remaining:.6g}"
+    if dropped:
+        headers["x-privlm-fields-dropped"] = ",".join(dropped)
     return headers
 
 
-def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str) -> dict[str, Any]:
-    """The body's ``privlm`` field: the numbers of the headers, and each text as it was sent."""
+def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str,
+                   dropped: Sequence[str] = ()) -> dict[str, Any]:
+    """The body's ``privlm`` field: the numbers of the headers, each text as it was sent, the fields dropped."""
     texts = []
     for slot, sent, report in zip(slots, result.texts, result.reports, strict=True):
-        texts.append({"message": slot.message, "part": slot.part, "role": slot.role, "sent": sent,
-                      "tokens": 0 if report is None else report.n_tokens,
+        texts.append({"message": slot.message, "part": slot.part, "role": slot.role, "field": slot.field,
+                      "sent": slot.placed(sent), "tokens": 0 if report is None else report.n_tokens,
                       "tokens_perturbed": 0 if report is None else report.n_perturbed,
                       "tokens_changed": 0 if report is None else report.n_changed,
+                      "tokens_unchanged": 0 if report is None else report.n_unchanged,
                       "epsilon_spent": 0.0 if report is None else report.accounting.get("privlm", 0.0)})
     return {"request_id": request_id, "mechanism": result.mechanism, "epsilon": result.epsilon,
             "epsilon_spent": result.spent, "epsilon_paper": result.paper_total, "unit": str(result.unit),
             "tokens": result.tokens, "tokens_perturbed": result.tokens_perturbed,
-            "budget_remaining": result.budget_remaining, "texts": texts,
+            "tokens_unchanged": result.tokens_unchanged, "budget_remaining": result.budget_remaining,
+            "texts": texts, "dropped": list(dropped),
             "guarantee": next((r.guarantee for r in result.reports if r is not None), None)}
 
 
 def audit_record(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str, principal: str,
-                 model: str, stream: bool) -> dict[str, Any]:
+                 model: str, stream: bool, dropped: Sequence[str] = ()) -> dict[str, Any]:
     """What the audit log keeps of a release: the perturbed texts and the report, never an original."""
-    report = privacy_report(result, slots, request_id)
+    report = privacy_report(result, slots, request_id, dropped)
     return {**report, "principal": principal, "model": model, "stream": stream, "endpoint": "chat.completions"}
 
 
@@ -128,20 +154,35 @@ class _Call:
     """One request's private state: its id, principal, perturbed texts and options. Nothing outlives it."""
 
     def __init__(self, request: PrivateChatRequest, principal: str, result: PrivateTexts, slots: list[TextSlot],
-                 report_in_body: bool) -> None:
+                 report_in_body: bool, dropped: Sequence[str] = ()) -> None:
         self.request, self.principal, self.result, self.slots = request, principal, result, slots
+        self.dropped = list(dropped)
         self.id = f"privlm-{uuid.uuid4().hex[:16]}"
         options = request.privlm
         self.report = report_in_body or bool(options and options.report)
-        self.headers = privacy_headers(result, self.id)
+        self.headers = privacy_headers(result, self.id, self.dropped)
+        self.refund: float | None = None  # what was given back, when the upstream received nothing
+
+    def refunded(self, remaining: float | None) -> None:
+        """The charge was given back (the release was never published): the report says so."""
+        self.refund = self.result.spent
+        self.headers |= {"x-privlm-epsilon-spent": "0", "x-privlm-refunded": f"{self.refund:.6g}"}
+        if remaining is not None:
+            self.headers["x-privlm-budget-remaining"] = f"{remaining:.6g}"
+
+    def failure_headers(self) -> dict[str, str]:
+        """The report for an answer that is not a success, and, unless the charge was refunded, no retry by
+        OpenAI's SDKs: a retry would release the prompt again and pay again."""
+        return self.headers if self.refund is not None else {**self.headers, "x-should-retry": "false"}
 
     def body(self) -> dict[str, Any]:
-        """The request to forward: the perturbed texts in place, privlm's field removed, nothing else changed."""
+        """The request to forward: the perturbed texts in place, the dropped fields and privlm's field removed,
+        nothing else changed."""
         sent = self.request.model_dump(mode="json", exclude_unset=True, exclude={"privlm"})
-        return with_texts(sent, self.slots, self.result.texts)
+        return with_texts(sent, self.slots, self.result.texts, self.dropped)
 
     def report_field(self) -> dict[str, Any]:
-        return privacy_report(self.result, self.slots, self.id)
+        return privacy_report(self.result, self.slots, self.id, self.dropped)
 
     def user_prompt(self) -> str:
         """The user's own words, for the local extraction (stays on this machine)."""
@@ -154,37 +195,32 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
                 options: ChatOptions = ChatOptions(), audit: AuditLog | None = None,
                 extractor: AnswerExtractor | None = None) -> APIRouter:
     """The private ``POST /v1/chat/completions`` (see the module doc)."""
+    auth = auth.charging(privacy.ledger)  # callers named as the ledger names them, in the audit log too
     router = APIRouter(tags=["chat"])
     perturbing = FairScheduler(1)  # one forward pass at a time on the device model, callers taking turns
 
     async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: str | None
-                        ) -> tuple[PrivateTexts, list[TextSlot]]:
-        requested = request.privlm.epsilon if request.privlm and request.privlm.epsilon is not None else None
-        param = "privlm.epsilon"
-        if requested is None and header_epsilon is not None:
-            param = "x-privlm-epsilon"
-            try:
-                requested = float(header_epsilon)
-            except ValueError:
-                raise ServiceError(400, "the x-privlm-epsilon header must be a number", param=param,
-                                   code="invalid_epsilon") from None
-        epsilon = privacy.resolve_epsilon(requested, param=param)
-        found = text_slots(request, perturb_system=options.perturb_system, perturb_assistant=extractor is not None,
-                           non_text_parts=options.non_text_parts)
+                        ) -> tuple[PrivateTexts, list[TextSlot], list[str]]:
+        epsilon = _request_epsilon(privacy, request, header_epsilon)
+        assistant = extractor is not None
+        found = text_slots(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
+                           non_text_parts=options.non_text_parts, message_names=options.message_names)
+        dropped = dropped_fields(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
+                                 message_names=options.message_names)
         slots, texts = [slot for slot, _ in found], [text for _, text in found]
         privacy.check_lengths(texts)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"
         async with perturbing.turn(caller):
             result = await asyncio.to_thread(privacy.privatize, texts, principal=principal, epsilon=epsilon)
-        return result, slots
+        return result, slots, dropped
 
     async def chat_completions(request: PrivateChatRequest, principal: str = Depends(auth.dependency),
                                x_privlm_epsilon: str | None = Header(None)) -> Response:
-        result, slots = await privatize(request, principal, x_privlm_epsilon)
-        call = _Call(request, principal, result, slots, options.report_in_body)
+        result, slots, dropped = await privatize(request, principal, x_privlm_epsilon)
+        call = _Call(request, principal, result, slots, options.report_in_body, dropped)
         if audit is not None:
-            await asyncio.to_thread(audit.write, "released", audit_record(result, slots, call.id, principal,
-                                                                          request.model, bool(request.stream)))
+            await asyncio.to_thread(audit.write, "released", audit_record(
+                result, slots, call.id, principal, request.model, bool(request.stream), dropped))
         try:
             if request.stream:
                 return await _stream(upstream, call, extractor, audit)
@@ -192,8 +228,10 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
             await asyncio.to_thread(_audit_upstream, audit, call, answer.status)
             return await _complete(answer, call, extractor)
         except ServiceError as error:  # charged already: the failure carries the report too, and is audited
+            if isinstance(error, NothingSentError):  # nothing crossed: the release was never published
+                call.refunded(await asyncio.to_thread(privacy.refund, result, principal=principal))
             await asyncio.to_thread(_audit_upstream, audit, call, error.status, error.detail.code)
-            error.headers = {**(error.headers or {}), **call.headers}
+            error.headers = {**(error.headers or {}), **call.failure_headers()}
             raise
 
     router.post("/v1/chat/completions", response_class=JSONResponse,
@@ -204,17 +242,33 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
     return router
 
 
+def _request_epsilon(privacy: PromptPrivacy, request: PrivateChatRequest, header: str | None) -> float:
+    """The request's epsilon: the smaller of the body's ``privlm.epsilon`` and the ``x-privlm-epsilon`` header
+    (each checked; an absent one counts as the gateway's own), so that neither can raise the other."""
+    body = request.privlm.epsilon if request.privlm else None
+    from_body = privacy.resolve_epsilon(body, param="privlm.epsilon")
+    if header is None:
+        return from_body
+    try:
+        value = float(header)
+    except ValueError:
+        raise ServiceError(400, "the x-privlm-epsilon header must be a number", param="x-privlm-epsilon",
+                           code="invalid_epsilon") from None
+    return min(from_body, privacy.resolve_epsilon(value, param="x-privlm-epsilon"))
+
+
 def _audit_upstream(audit: AuditLog | None, call: _Call, status: int, code: str | None = None) -> None:
     """The upstream's status (or the gateway's own error for it) after a release (blocking)."""
     if audit is not None:
-        audit.write("upstream", {"request_id": call.id, "status": status} | ({"code": code} if code else {}))
+        refund = {} if call.refund is None else {"refunded": call.refund}
+        audit.write("upstream", {"request_id": call.id, "status": status} | ({"code": code} if code else {}) | refund)
 
 
 async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtractor | None) -> Response:
     """A whole answer: the upstream's body as it is (5xx: our 502), plus the report; extracted if asked."""
     if answer.status >= 500:
         raise upstream_error(answer.status)
-    headers = {**answer.headers, **call.headers}
+    headers = {**answer.headers, **(call.headers if answer.ok else call.failure_headers())}
     if not answer.ok or not (call.report or extractor is not None):
         return Response(answer.body, status_code=answer.status, headers=headers)
     try:
@@ -232,35 +286,34 @@ async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtrac
 
 async def _stream(upstream: ChatUpstream, call: _Call, extractor: AnswerExtractor | None,
                   audit: AuditLog | None) -> Response:
-    """Open the upstream's stream; an error answer comes back whole, a stream chunk by chunk."""
+    """Open the upstream's stream; an error answer comes back whole (within the cap), a stream event by event."""
     stack = AsyncExitStack()
-    response = await stack.enter_async_context(upstream.stream(UPSTREAM_PATH, call.body()))
-    if response.status_code != 200:
+    answer = await stack.enter_async_context(upstream.stream(UPSTREAM_PATH, call.body()))
+    if answer.status != 200:
         try:
-            body = await response.aread()
-        except httpx.HTTPError:
-            body = b""
+            body = await answer.read()
         finally:
             await stack.aclose()
-        await asyncio.to_thread(_audit_upstream, audit, call, response.status_code)
-        return await _complete(UpstreamAnswer(response.status_code, passed_headers(response.headers), body),
-                               call, None)
+        await asyncio.to_thread(_audit_upstream, audit, call, answer.status)
+        return await _complete(UpstreamAnswer(answer.status, answer.headers, body), call, None)
     await asyncio.to_thread(_audit_upstream, audit, call, 200)
-    headers = {**passed_headers(response.headers), **call.headers}
+    headers = {**answer.headers, **call.headers}
     headers.pop("content-type", None)
-    chunks = (_extracted_events(response, call, extractor) if extractor is not None
-              else _passed_events(response, call))
+    chunks = (_extracted_events(answer, call, extractor) if extractor is not None
+              else _passed_events(answer, call))
     return StreamingResponse(_closing(chunks, stack), media_type="text/event-stream", headers=headers)
 
 
 async def _closing(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> AsyncIterator[bytes]:
-    """``chunks``, then the upstream connection closed, however the stream ends (a caller that leaves, too)."""
+    """``chunks``, then the upstream connection closed, however the stream ends (a caller that leaves, too).
+    Only whole events are passed on, so the error event of a failed stream starts on a fresh event, and OpenAI's
+    SDKs raise it rather than parse it into a cut one."""
     try:
         async for chunk in chunks:
             yield chunk
-    except httpx.HTTPError as error:  # the upstream failed mid-stream: say so in OpenAI's error event
-        yield sse_event({"error": {"message": f"the upstream failed mid-stream ({type(error).__name__})",
-                                   "type": "upstream_error", "code": "upstream_stream_failed", "param": None}})
+    except UpstreamStreamError as error:  # the upstream failed mid-stream: say so in OpenAI's error event
+        yield sse_event({"error": {"message": str(error), "type": "upstream_error", "code": "upstream_stream_failed",
+                                   "param": None}})
     finally:
         await stack.aclose()
 
@@ -271,23 +324,24 @@ def _report_event(call: _Call) -> bytes:
                       "choices": [], "privlm": call.report_field()})
 
 
-async def _passed_events(response: httpx.Response, call: _Call) -> AsyncIterator[bytes]:
+async def _passed_events(answer: UpstreamStream, call: _Call) -> AsyncIterator[bytes]:
     if call.report:
         yield _report_event(call)
-    async for chunk in response.aiter_bytes():
-        yield chunk
+    async for event in answer.events():
+        yield event
 
 
-async def _extracted_events(response: httpx.Response, call: _Call, extractor: AnswerExtractor) -> AsyncIterator[bytes]:
-    """With extraction the whole upstream answer is needed first: collect it, rewrite locally, stream the rewrite."""
+async def _extracted_events(answer: UpstreamStream, call: _Call, extractor: AnswerExtractor) -> AsyncIterator[bytes]:
+    """With extraction the whole upstream answer is needed first: collect it (within the cap), rewrite locally,
+    stream the rewrite."""
     if call.report:
         yield _report_event(call)
-    texts = await collect_stream(response.aiter_bytes())
+    texts = await collect_stream(answer.events(max_total_bytes=answer.max_bytes))
     model = call.request.model
     chunk_id, created = completion_id(), now()
     for index in sorted(texts) or [0]:
-        answer = await asyncio.to_thread(extractor.extract, call.user_prompt(), texts.get(index, ""))
-        for delta in ({"role": "assistant", "content": ""}, {"content": answer}):
+        extracted = await asyncio.to_thread(extractor.extract, call.user_prompt(), texts.get(index, ""))
+        for delta in ({"role": "assistant", "content": ""}, {"content": extracted}):
             yield sse_event(ChatCompletionChunk.model_validate(
                 {"id": chunk_id, "created": created, "model": model,
                  "choices": [{"index": index, "delta": delta}]}))

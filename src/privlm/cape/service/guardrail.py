@@ -28,9 +28,11 @@ Fail closed. LiteLLM blocks the request when a guardrail answers an HTTP error, 
 through) or ``fail_on_error: false`` (any error does). So every failure that concerns a valid request is
 answered ``200`` with ``action: BLOCKED`` and a ``blocked_reason`` naming the cause (and, for a budget, what
 is left), never the text: budget exhausted, privacy step failed, images, over-long texts, an epsilon above
-the limit, a missing id, an audit log that cannot be written, or any unexpected error. Only a body that is
-not LiteLLM's request at all gets a 4xx (OpenAI's error shape), as do the scaffolding's own refusals (key,
-size, host): with a fail-open LiteLLM those let the original through, so keep LiteLLM's default.
+the limit, a missing id, an audit log that cannot be written, or any unexpected error. So is every JSON object
+that does not hold a valid request (no ``request_data`` or ``request_data: null``, no or another ``input_type``,
+``texts`` that are not strings, a field of the wrong type): the reason names the fields, never their values.
+Only a body that is not a JSON object at all gets a 4xx (OpenAI's error shape), as do the scaffolding's own
+refusals (key, size, host): with a fail-open LiteLLM those let the original through, so keep LiteLLM's default.
 
 The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer``). LiteLLM sends
 its ``api_key`` setting as an ``x-api-key`` header, which privlm does not read: configure the key as an
@@ -42,11 +44,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Unpack
+from typing import Annotated, Any, Literal, Unpack
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Body, FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from privlm.accounting import BudgetExhaustedError
 from privlm.cape.service.chat import privacy_headers
@@ -117,6 +119,22 @@ class _BlockedError(Exception):
         self.reason, self.headers = reason, dict(headers or {})
 
 
+MAX_NAMED_ERRORS = 5
+
+
+def _parsed(body: dict[str, Any]) -> GuardrailRequest:
+    """LiteLLM's request, or BLOCKED naming what is wrong where (never a value: it could be the user's text)."""
+    try:
+        return GuardrailRequest.model_validate(body)
+    except ValidationError as error:
+        problems = error.errors(include_url=False, include_input=False, include_context=False)
+        named = "; ".join(f"{'.'.join(map(str, problem['loc'])) or 'body'}: {problem['msg'][:100]}"
+                          for problem in problems[:MAX_NAMED_ERRORS])
+        more = f" (and {len(problems) - MAX_NAMED_ERRORS} more)" if len(problems) > MAX_NAMED_ERRORS else ""
+        raise _BlockedError(f"privlm: the body is not LiteLLM's guardrail request ({named}{more}); nothing may be "
+                            "sent") from None
+
+
 def _answer(response: GuardrailResponse, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(response.model_dump(exclude_none=True), headers=dict(headers or {}))
 
@@ -172,6 +190,11 @@ def _ids(request: GuardrailRequest, request_id: str) -> dict[str, Any]:
             "model": request.model}
 
 
+_BODY_DESCRIPTION = ("LiteLLM's GenericGuardrailAPIRequest (`input_type`, `texts`, `request_data`, ...: the "
+                     "`GuardrailRequest` model of privlm.cape.service.guardrail). Any JSON object is answered 200: "
+                     "one that is not a valid request is BLOCKED, with the fields at fault named.")
+
+
 def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", audit: AuditLog | None = None,
                      images: ImagePolicy = "block") -> APIRouter:
     """``POST /beta/litellm_basic_guardrail_api`` (see the module doc); mount it behind the app's keys."""
@@ -215,9 +238,12 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", aud
         return _answer(GuardrailResponse(action=action, texts=list(result.texts)),
                        privacy_headers(result, request_id))
 
-    async def guardrail(request: GuardrailRequest) -> JSONResponse:
+    async def guardrail(body: Annotated[dict[str, Any], Body(description=_BODY_DESCRIPTION)]) -> JSONResponse:
         request_id = f"privlm-{uuid.uuid4().hex[:16]}"
+        ids: dict[str, Any] = {"request_id": request_id, "endpoint": "litellm.guardrail"}
         try:
+            request = _parsed(body)
+            ids = _ids(request, request_id)
             if request.input_type == "response":
                 await record("not_perturbed", {**_ids(request, request_id), "action": "NONE",
                                                "why": "a model's answer is not the user's prompt"})
@@ -227,7 +253,7 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", aud
             reason, headers = blocked.reason, blocked.headers
         except Exception as error:  # fail closed: whatever went wrong, the original stays here
             reason, headers = f"privlm: the privacy step failed ({type(error).__name__}); nothing may be sent", {}
-        await record("blocked", {**_ids(request, request_id), "action": "BLOCKED", "blocked_reason": reason})
+        await record("blocked", {**ids, "action": "BLOCKED", "blocked_reason": reason})
         return _answer(GuardrailResponse(action="BLOCKED", blocked_reason=reason),
                        {**headers, "x-privlm-request-id": request_id})
 

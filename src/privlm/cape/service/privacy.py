@@ -23,7 +23,7 @@ from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.cape.model import Cape
-from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PromptReport, TextPerturber
 from privlm.service import ServiceError
@@ -77,6 +77,11 @@ class PrivateTexts:
     @property
     def tokens_changed(self) -> int:
         return sum(r.n_changed for r in self.reports if r is not None)
+
+    @property
+    def tokens_unchanged(self) -> int:
+        """Perturbed tokens released as themselves: sensitive words that crossed as they were."""
+        return sum(r.n_unchanged for r in self.reports if r is not None)
 
 
 def cape_factory(device_model: LanguageModel, *, logit_bound: float | LogitBound | None,
@@ -146,6 +151,14 @@ class PromptPrivacy:
 
     def remaining(self, principal: str) -> float | None:
         return None if self.ledger is None else self.ledger.remaining(principal, self.unit)
+
+    def refund(self, result: PrivateTexts, *, principal: str) -> float | None:
+        """Give back what ``result`` cost ``principal``: its texts were never published (the upstream received
+        nothing). Returns the budget left (None without a ledger). Blocking."""
+        if self.ledger is not None and result.spent > 0:
+            self.ledger.refund(principal, [Spend(self.unit, result.spent)],
+                               note="refund: the upstream received nothing")
+        return self.remaining(principal)
 
     def privatize(self, texts: Sequence[str], *, principal: str, epsilon: float | None = None) -> PrivateTexts:
         """Every non-blank text perturbed by one fresh perturber, charged to ``principal`` first (blocking)."""

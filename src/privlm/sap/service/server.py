@@ -32,6 +32,8 @@ from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save as save_safetensors
 
+from privlm.accounting import PrincipalHasher
+from privlm.accounting.principals import legacy_principal_of_key, secret_path_of
 from privlm.models.device import resolve_device
 from privlm.models.loading import FAMILY_POOLING, load_pretrained
 from privlm.models.partition import split_model
@@ -79,6 +81,18 @@ def _not_found() -> ServiceError:
                         code="session_not_found")
 
 
+def _owners_auth(api_keys: tuple[str, ...], store: SessionStore) -> BearerKeys:
+    """Keys whose callers own sessions by an HMAC under the store's own secret, ``<store>.secret`` beside its
+    folder (so replicas of one store and a restarted vendor agree); sessions owned by a key's old sha256 id are
+    handed to its new id first."""
+    if not api_keys:
+        return BearerKeys()
+    principals = PrincipalHasher.from_file(secret_path_of(store.root))
+    for key in api_keys:
+        store.rename_owner(legacy_principal_of_key(key), principals.of_key(key))
+    return BearerKeys(api_keys, principals=principals)
+
+
 def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, splits: tuple[int, ...] = (0,),
                       api_keys: tuple[str, ...] = (), checkpoint_every: int = 50,
                       limits: SessionLimits | None = None, device: str | torch.device = "cpu",
@@ -94,9 +108,10 @@ def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, s
         raise ValueError("splits must name at least one split position")
     bottoms = {blocks: split_model(loaded.model, blocks, pooling=pooling, name=str(model_name))[0] for blocks in splits}
     limits = limits or SessionLimits()
-    sessions = VendorSessions(loaded.model, bottoms=bottoms, pooling=pooling, store=SessionStore(store),
+    session_store = SessionStore(store)
+    sessions = VendorSessions(loaded.model, bottoms=bottoms, pooling=pooling, store=session_store,
                               checkpoint_every=checkpoint_every, limits=limits, shared=shared_store)
-    auth = BearerKeys(api_keys)
+    auth = _owners_auth(api_keys, session_store)
     router = APIRouter(tags=["sap"])
 
     async def guarded(call: Callable[..., Any], session_id: str, *args: object) -> Any:

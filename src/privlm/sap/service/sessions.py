@@ -2,7 +2,7 @@
 
 One :class:`VendorSessions` holds the vendor's model and serves many customers' sessions, each a
 :class:`privlm.sap.Vendor` over its own copy of the top, behind its own lock. A session belongs to the principal
-that created it (a hash of its API key); any other principal is told it does not exist. Sessions live in a
+that created it (an HMAC of its API key); any other principal is told it does not exist. Sessions live in a
 :class:`SessionStore`: uploads are stored before they are acknowledged, and the training state is checkpointed
 at creation, every ``checkpoint_every`` steps and on request, so a restarted vendor (or another replica reading
 the same store) resumes a session from its last checkpoint. The customer learns the checkpoint's step with every
@@ -21,11 +21,12 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from privlm._validation import check_positive_int
+from privlm._validation import check_positive_finite, check_positive_int
 from privlm.models.partition import BottomModel, split_model
 from privlm.models.pooling import Pooling
 from privlm.sap.config import LoraSettings
 from privlm.sap.messages import (
+    MAX_ABS_VALUE,
     Forward,
     OutputGradient,
     ProtocolError,
@@ -94,10 +95,14 @@ class SessionLimits:
     max_batch: int = 256
     max_tokens: int = 512
     max_message_bytes: int = 64 * 2**20
+    max_abs_value: float = MAX_ABS_VALUE  # per entry of an uploaded or forwarded representation and of a gradient
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            check_positive_int(name, value)
+            if name == "max_abs_value":
+                check_positive_finite(name, value)
+            else:
+                check_positive_int(name, value)
 
 
 @dataclass
@@ -149,7 +154,8 @@ class VendorSessions:
             raise RuntimeError("the model changed since its bottoms were exported")
         try:
             return Vendor(top, lora=request.lora_settings(), learning_rate=request.learning_rate,
-                          send_cut_gradient=request.trainable_bottom, seed=request.seed)
+                          send_cut_gradient=request.trainable_bottom, seed=request.seed,
+                          max_abs_value=self.limits.max_abs_value)
         except ValueError as error:  # peft: target modules that are not in the top, or not layers it can adapt
             raise ProtocolError(f"LoRA cannot adapt {request.lora.target_modules} in this model: {error}",
                                 status=400, limit="lora.target_modules") from None
@@ -296,7 +302,7 @@ class VendorSessions:
     def _check_upload(self, session_id: str, session: _Session, message: Upload, body: bytes) -> bool:
         """Whether the upload is new. The same rows sent again (a retry) are not stored twice; other values for
         ids already held are refused (the uploads are the training set: it does not change under a session)."""
-        batch = message.batch.check(hidden_size=session.vendor.top.hidden_size)
+        batch = message.batch.check(hidden_size=session.vendor.top.hidden_size, max_abs=self.limits.max_abs_value)
         held = [i for i in batch.example_ids.tolist() if i in session.vendor.uploaded]
         if not held:
             if self.store.upload_bytes(session_id) + len(body) > self.limits.max_upload_bytes:

@@ -1,6 +1,6 @@
 """Where the vendor keeps its fine-tuning sessions: a folder any replica can read (a shared volume).
 
-    <root>/<session id>/session.json               the session's settings and its owner (a key's hash)
+    <root>/<session id>/session.json               the session's settings and its owner (an HMAC of a key)
     <root>/<session id>/uploads/<n>.safetensors    each Upload as it arrived (SAP message bytes), in order
     <root>/<session id>/checkpoint.safetensors     the vendor's training state, its JSON facts in the metadata
 
@@ -104,6 +104,17 @@ class SessionStore:
         if not isinstance(record, dict):
             raise ValueError(f"{path} is not a session record")
         return record
+
+    def rename_owner(self, old: str, new: str) -> int:
+        """Hand every session of owner ``old`` to ``new`` (a change of how owners are named); how many moved."""
+        moved = 0
+        for session_id in self.session_ids():
+            record = self.record(session_id)
+            if record.get("owner") == old:
+                record["owner"] = new
+                _write_atomically(self._folder(session_id) / SESSION_FILE, json.dumps(record, sort_keys=True).encode())
+                moved += 1
+        return moved
 
     def add_upload(self, session_id: str, message: bytes) -> int:
         """Keep one Upload message; returns its number (0, 1, ...)."""

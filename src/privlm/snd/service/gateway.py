@@ -169,6 +169,7 @@ def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 204
                       max_request_tokens: int = MAX_REQUEST_TOKENS, truncate: bool = False,
                       max_concurrent_batches: int = MAX_CONCURRENT_BATCHES) -> EmbeddingsRoutes:
     """``POST /v1/embeddings`` around ``client``, behind ``auth`` (see :func:`create_gateway`)."""
+    auth = auth.charging(client.ledger)  # callers named as the client's ledger names them
     check_positive_int("max_inputs", max_inputs)
     check_positive_int("max_request_tokens", max_request_tokens)
     model_id = f"privlm-snd-{public_model_name(str(client.model.name))}"
