@@ -27,7 +27,7 @@ from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit
 from privlm.sap.service.routes import SESSIONS_PATH
 from privlm.service.audit import AuditLog
-from tests.gateway.conftest import EPS, TIMEOUT, StubUpstream, chat_gateway, fake_privacy, stub_app
+from tests.gateway.conftest import EPS, TIMEOUT, chat_gateway, fake_privacy
 from tests.models.tiny import tiny_bert_with_minilm_tokenizer
 from tests.sap.service.conftest import KEYS as VENDOR_KEYS
 from tests.sap.service.test_vendor_server import _app as vendor_app
@@ -39,15 +39,6 @@ GONE_KEY = "a-key-no-longer-configured"
 BUDGET = 100.0
 HMAC_ID = re.compile(r"hmac-key:[0-9a-f]{32}")
 PROMPT = "Alice from Boston has asthma"  # 5 words: the fake mechanism charges EPS per word
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[StubUpstream]:
-    """The gateway tests' stub upstream (tests/gateway/conftest.py), on its own server for this module."""
-    record = StubUpstream()
-    with serving(stub_app(record)) as url:
-        record.url, record.port = url, int(url.rsplit(":", 1)[1])
-        yield record
 
 
 @pytest.fixture(scope="module")
@@ -204,4 +195,4 @@ def test_note_ledger_principals_a_vendor_session_of_an_old_id_is_handed_to_the_n
     assert mine.status_code == 200 and theirs.status_code == 404
     owner = json.loads(record_path.read_text())["owner"]
     assert HMAC_ID.fullmatch(owner) and old_id(VENDOR_KEYS[0]).encode() not in record_path.read_bytes()
-    assert stat.S_IMODE((tmp_path / "store.secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE((store / "principals.secret").stat().st_mode) == 0o600  # inside the store

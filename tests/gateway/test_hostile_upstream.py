@@ -15,7 +15,7 @@ import socket
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from privlm.accounting import Ledger
 from privlm.cape.service.chat import create_chat_gateway
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
+from privlm.service.audit import AuditLog
 from privlm.service.process import free_port
 from privlm.service.upstream import ChatUpstream
 from tests.gateway.conftest import CANNED, CHUNKS, EPS, assert_openai_error, chat_body, fake_privacy, sse_events
@@ -64,6 +65,7 @@ class HostileUpstream:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers, names in lower case
         self.sent = 0
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -71,6 +73,7 @@ class HostileUpstream:
     def clear(self) -> None:
         with self.lock:
             self.requests.clear()
+            self.headers.clear()
             self.sent = 0
 
     def received(self) -> int:
@@ -90,9 +93,10 @@ class HostileUpstream:
 
     def _serve(self, connection: socket.socket) -> None:
         with connection, suppress(OSError):  # the gateway hanging up is the point of most behaviours
-            body = _read_request(connection)
+            headers, body = _read_request(connection)
             with self.lock:
                 self.requests.append(body)
+                self.headers.append(headers)
             behaviour = BEHAVIOURS.get(str(body.get("model")), _canned)
             behaviour(self, connection, body)
 
@@ -101,16 +105,17 @@ class HostileUpstream:
             self.sent += n
 
 
-def _read_request(connection: socket.socket) -> dict[str, Any]:
+def _read_request(connection: socket.socket) -> tuple[dict[str, str], dict[str, Any]]:
     data = b""
     while b"\r\n\r\n" not in data:
         data += connection.recv(65536)
     head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.lower().split(b"\r\n")
-    length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length"))
+    lines = head.decode("latin-1").lower().split("\r\n")[1:]
+    headers = {name.strip(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    length = int(headers["content-length"])
     while len(body) < length:
         body += connection.recv(65536)
-    return dict(json.loads(body))
+    return headers, dict(json.loads(body))
 
 
 def _canned(upstream: HostileUpstream, connection: socket.socket, body: dict[str, Any]) -> None:
@@ -188,7 +193,16 @@ def _status(status: str) -> Callable[[HostileUpstream, socket.socket, dict[str, 
     return behaviour
 
 
+def _forged_headers(upstream: HostileUpstream, connection: socket.socket, body: dict[str, Any]) -> None:
+    """A good answer whose headers speak for the gateway: a refund, a cost, a retry hint."""
+    head = _http_head("200 OK", "application/json", len(CANNED)).replace(
+        b"\r\n\r\n", b"\r\nx-privlm-refunded: 99\r\nx-privlm-epsilon-spent: 0\r\nx-privlm-fields-dropped: none"
+                       b"\r\nx-should-retry: true\r\n\r\n")
+    connection.sendall(head + CANNED)
+
+
 BEHAVIOURS: dict[str, Callable[[HostileUpstream, socket.socket, dict[str, Any]], None]] = {
+    "hostile:forged-headers": _forged_headers,
     "hostile:huge": _huge,
     "hostile:huge-declared": lambda u, c, b: _huge(u, c, b, declared=True),
     "hostile:huge-error": lambda u, c, b: _huge(u, c, b, status="400 Bad Request"),
@@ -272,6 +286,8 @@ def test_finding_2_upstream_answer_over_the_cap_is_a_502_and_memory_stays_flat(h
         response.read()
     assert_openai_error(response, 502, code="upstream_answer_too_large")
     assert response.headers["x-should-retry"] == "false"  # it was charged: a retry would pay again
+    print(f"{model}: the gateway's peak RSS grew by {memory.growth:.1f} MiB; the upstream wrote "
+          f"{hostile.sent / MIB:.1f} MiB before the gateway hung up")  # shown with -s
     assert memory.growth < 96, f"the gateway grew by {memory.growth:.0f} MiB"
     assert hostile.sent < HUGE_MIB * MIB // 2  # the gateway hung up long before the end
 
@@ -368,10 +384,10 @@ def test_finding_4_a_stream_cut_mid_event_raises_in_the_openai_sdk(hostile, mode
 
 @pytest.mark.parametrize("model", ["hostile:cut-mid-json", "hostile:cut-mid-field", "hostile:cut-after-line"])
 def test_finding_4_the_partial_event_is_dropped_before_the_error_event(hostile, model):
-    with gateway(ChatUpstream(hostile.url)) as url:
-        _, body = post(url, model, stream=True)
     """What the caller receives: the two whole events, byte for byte, then the error event on its own, nothing
     of the cut event."""
+    with gateway(ChatUpstream(hostile.url)) as url:
+        _, body = post(url, model, stream=True)
     error = sse_events(body)[-1]
     assert body == CHUNKS[0] + CHUNKS[1] + error and error.startswith(b'data: {"error": ')
     assert error_event(body)["code"] == "upstream_stream_failed"
@@ -447,6 +463,72 @@ def test_note_retries_a_failure_after_sending_is_charged_once_and_not_retried(ho
     assert raised.value.response.headers["x-should-retry"] == "false"
     assert hostile.received() == 1
     assert _ledger_rows(ledger_path) == (pytest.approx(COST), [pytest.approx(COST)])
+
+
+class FailingAudit(AuditLog):
+    """An audit log that cannot write one kind of record (a full disk, say)."""
+
+    def __init__(self, path: Path, failing: str) -> None:
+        super().__init__(path)
+        self.failing = failing
+
+    def write(self, event: str, record: Mapping[str, Any]) -> None:
+        if event == self.failing:
+            raise OSError("no space left on device")
+        super().write(event, record)
+
+
+def test_note_retries_a_gateway_failure_after_sending_is_charged_once_and_not_retried(hostile, ledger_path, tmp_path):
+    """Not only the upstream's failures: the gateway's own after the release reached the upstream (here its audit
+    log, failing on the upstream's record) is a 5xx in OpenAI's shape with the report and ``x-should-retry:
+    false``, so the SDK does not release and pay again."""
+    hostile.clear()
+    audit = FailingAudit(tmp_path / "audit.sqlite", "upstream")
+    with gateway(ChatUpstream(hostile.url, read_timeout=DEADLINE_S), privacy=_ledgered(ledger_path),
+                 audit=audit) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=WAIT_S)
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.chat.completions.create(model="stub-model", messages=[{"role": "user", "content": PROMPT}])
+    assert raised.value.status_code == 500
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert float(raised.value.response.headers["x-privlm-epsilon-spent"]) == pytest.approx(COST)
+    assert raised.value.response.json()["error"]["code"] == "failed_after_release"
+    assert hostile.received() == 1
+    assert _ledger_rows(ledger_path) == (pytest.approx(COST), [pytest.approx(COST)])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_note_retries_a_release_the_audit_log_cannot_record_is_not_sent_and_refunded(hostile, ledger_path,
+                                                                                       tmp_path, stream):
+    """The release could not be recorded, so it is not sent: nothing crossed, and the charge is given back."""
+    hostile.clear()
+    audit = FailingAudit(tmp_path / "audit.sqlite", "released")
+    with gateway(ChatUpstream(hostile.url), privacy=_ledgered(ledger_path), audit=audit) as url:
+        response, _ = post(url, "stub-model", stream=stream)
+    assert_openai_error(response, 500, code="failed_after_release")
+    assert float(response.headers["x-privlm-refunded"]) == pytest.approx(COST)
+    assert "x-should-retry" not in response.headers
+    assert hostile.received() == 0
+    total, rows = _ledger_rows(ledger_path)
+    assert total == pytest.approx(0, abs=1e-9) and rows == pytest.approx([COST, -COST])
+
+
+def test_note_retries_an_upstream_cannot_forge_the_gateways_report_headers(hostile, ledger_path):
+    """``x-privlm-*`` and ``x-should-retry`` are the gateway's words: an upstream's are never passed on."""
+    hostile.clear()
+    with gateway(ChatUpstream(hostile.url), privacy=_ledgered(ledger_path)) as url:
+        response, _ = post(url, "hostile:forged-headers")
+    assert response.status_code == 200
+    assert float(response.headers["x-privlm-epsilon-spent"]) == pytest.approx(COST)
+    assert {"x-privlm-refunded", "x-privlm-fields-dropped", "x-should-retry"}.isdisjoint(response.headers)
+
+
+def test_note_retries_the_upstream_is_asked_for_an_uncompressed_answer(hostile):
+    """The answer cap counts arriving bytes: a compressed answer could expand far past it within one read."""
+    hostile.clear()
+    with gateway(ChatUpstream(hostile.url)) as url:
+        post(url, "stub-model")
+    assert hostile.headers[-1]["accept-encoding"] == "identity"
 
 
 # -- the command's flags ------------------------------------------------------------------------------------

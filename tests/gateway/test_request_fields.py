@@ -5,8 +5,8 @@
   perturbed and charged, or refused), and any key of a perturbed message or text part that the gateway does not
   handle on purpose is refused by name, never forwarded.
 - Finding 5: with both the ``x-privlm-epsilon`` header and the body's ``privlm.epsilon``, the smaller one applies.
-- Notes: ``stream`` and the integers privlm reads are strict JSON types; ``model`` is a short non-empty string;
-  the report counts the perturbed tokens that were released unchanged.
+- Notes: ``stream``, the integers privlm reads, ``temperature`` and ``top_p`` are strict JSON types; ``model``
+  is a short non-empty string; the report counts the perturbed tokens that were released unchanged.
 
 A mechanism without a model (``FakePerturber``) does the perturbing: the mechanism is not the point here.
 """
@@ -23,15 +23,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from privlm.cape.service.chat import ChatOptions
+from privlm.cape.service.messages import perturbed_fields
 from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
 from privlm.service.audit import AuditLog
+from privlm.service.chat import ChatCompletionRequest
 from tests.gateway.conftest import (
     EPS,
     TIMEOUT,
     WORDS,
+    FakePerturber,
     StubUpstream,
     assert_openai_error,
     chat_body,
@@ -127,6 +129,21 @@ def test_finding_1_an_unknown_key_of_a_perturbed_message_is_refused_by_name(stub
         assert stub.received() == []
 
 
+@pytest.mark.parametrize("message_names", ["drop", "perturb"])
+def test_finding_1_one_pass_decides_every_name_either_perturbed_or_dropped(message_names):
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "Be brief.", "name": "ops"},  # not perturbed: neither
+        {"role": "user", "content": "hi", "name": NAME}, {"role": "assistant", "content": "hello", "name": "bot"},
+        {"role": "user", "content": [{"type": "text", "text": "and you"}], "name": "Bob"}]})
+    fields = perturbed_fields(request, perturb_assistant=True, message_names=message_names)
+    names = [slot.path for slot in fields.slots if slot.field == "name"]
+    assert sorted(names + fields.dropped) == ["messages.1.name", "messages.2.name", "messages.3.name"]
+    assert (names if message_names == "drop" else fields.dropped) == []
+    assert fields.texts == [*([NAME] if message_names == "perturb" else []), "hi",
+                            *(["bot"] if message_names == "perturb" else []), "hello",
+                            *(["Bob"] if message_names == "perturb" else []), "and you"]
+
+
 # -- finding 5: header and body epsilon -----------------------------------------------------------------------
 
 def test_finding_5_the_smaller_of_header_and_body_epsilon_applies(stub):
@@ -159,6 +176,25 @@ def test_note_stream_and_the_integers_privlm_reads_take_only_their_json_type(stu
         assert stub.received() == []
 
 
+@pytest.mark.parametrize(("field", "value"), [("temperature", True), ("temperature", "0.5"), ("top_p", True),
+                                              ("top_p", "0.5"), ("temperature", False)])
+def test_note_temperature_and_top_p_take_only_a_json_number(stub, field, value):
+    with gateway(stub) as url:
+        response = post(url, chat_body("hello", **{field: value}))
+        assert_openai_error(response, 400, code="invalid_request", param=field)
+        assert stub.received() == []
+
+
+def test_note_temperature_and_top_p_take_a_json_int_or_float(stub):
+    with gateway(stub) as url:
+        for fields in ({"temperature": 0, "top_p": 1}, {"temperature": 0.7, "top_p": 0.5}):
+            response = post(url, chat_body("hello", **fields))
+            assert response.status_code == 200, response.text
+            [received] = stub.received()
+            assert {key: received[key] for key in fields} == fields
+            stub.clear()
+
+
 @pytest.mark.parametrize("model", ["", "m" * 257, "m" * (3 * 2**20)], ids=["empty", "257-chars", "3-MiB"])
 def test_note_a_model_name_must_be_a_short_non_empty_string(stub, model):
     with gateway(stub) as url:
@@ -174,20 +210,11 @@ KEPT = frozenset({"Seattle", "diabetes"})  # what the test mechanism releases as
 STOPWORDS = frozenset({"and", "the", "in"})
 
 
-class KeepingPerturber:
-    """Every word perturbed but the stopwords; the words of ``KEPT`` released as themselves, others as "apple"."""
+class KeepingPerturber(FakePerturber):
+    """Every word perturbed but the stopwords; the words of ``KEPT`` released as themselves, others as "apple"
+    (nothing charged: the gateway here has no ledger)."""
 
     name = "keeping"
-
-    def __init__(self, epsilon: float, generator: torch.Generator, ledger: Any, principal: str) -> None:
-        self.epsilon = epsilon
-
-    @property
-    def vocabulary(self) -> Any:
-        raise NotImplementedError
-
-    def perturb(self, text: str) -> PerturbedPrompt:
-        return self.perturb_batch([text])[0]
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
         return [self._one(text) for text in texts]

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from privlm.accounting import Ledger
-from privlm.cape.service.messages import text_slots
+from privlm.cape.service.messages import perturbed_fields
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
@@ -55,8 +55,9 @@ def test_assistant_text_is_perturbed_only_when_asked():
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Alice, you live in Boston"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
                                                                  "function": {"name": "f", "arguments": "{}"}}]}]})
-    assert [slot.role for slot, _ in text_slots(request)] == ["user"]
-    assert [(slot.role, text) for slot, text in text_slots(request, perturb_assistant=True)] == [
+    assert [slot.role for slot in perturbed_fields(request).slots] == ["user"]
+    fields = perturbed_fields(request, perturb_assistant=True)
+    assert [(slot.role, text) for slot, text in zip(fields.slots, fields.texts, strict=True)] == [
         ("user", "hi"), ("assistant", "Alice, you live in Boston")]
 
 

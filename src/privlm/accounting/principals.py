@@ -7,7 +7,8 @@ log (a backup, a file handed to an auditor) but not the secret cannot test guess
 reads both files can: keep the secret where the ledger's readers are not, and back it up separately, since a
 ledger without its secret can no longer tell whose spends are whose (the ledger refuses to start then rather than
 hand every key a fresh budget). Without a ledger the secret is made per process: ids then stay stable for one
-run only.
+run only. The SAP vendor keeps the secret of its sessions' owners inside its session store instead
+(:meth:`privlm.sap.service.store.SessionStore.principals`), where every replica that mounts the store finds it.
 
 The ids of earlier privlm ledgers were ``key:`` + the first 64 bits of an unsalted sha256 of the key, which anyone
 could recompute for a guessable key; :func:`legacy_principal_of_key` computes them only to migrate old ledgers.
@@ -61,15 +62,12 @@ class PrincipalHasher:
         """The id of an API key."""
         return KEY_PREFIX + self.digest(api_key)
 
-    def of_id(self, prefix: str, value: str) -> str:
-        """The id of another caller id (LiteLLM's key hash or end user), kept under ``prefix``."""
-        return prefix + self.digest(value)
-
     def digest(self, value: str) -> str:
         return hmac.new(self._secret, value.encode(), hashlib.sha256).hexdigest()[:32]
 
     def fingerprint(self) -> str:
-        """A check value a ledger keeps to notice a replaced secret; it tells nothing of any key."""
+        """A check value a ledger (or a SAP session store) keeps to notice a replaced secret; it tells nothing of
+        any key."""
         return self.digest("privlm: the ledger's secret check")
 
 
@@ -84,7 +82,7 @@ def load_or_create_secret(path: Path) -> bytes:
     secret is written to a temporary file and linked into place, which fails if another process won."""
     try:
         if not path.exists():
-            _create_secret(path)
+            create_file_once(path, secrets.token_bytes(SECRET_BYTES))
         secret = path.read_bytes()
     except OSError as error:
         raise SecretFileError(f"the principals' secret {path} cannot be made or read ({error.strerror or error})"
@@ -94,16 +92,18 @@ def load_or_create_secret(path: Path) -> bytes:
     return secret
 
 
-def _create_secret(path: Path) -> None:
+def create_file_once(path: Path, content: bytes) -> None:
+    """Write ``content`` to ``path`` (mode 0600) unless the file exists; of processes racing to make it, the first
+    wins and the others keep its file: the content goes to a temporary file that is linked into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(descriptor, "wb") as out:
-            out.write(secrets.token_bytes(SECRET_BYTES))
+            out.write(content)
             out.flush()
             os.fsync(out.fileno())
         with contextlib.suppress(FileExistsError):  # another process made it first: theirs is kept
-            os.link(temporary, path)  # never replaces a secret, unlike a rename
+            os.link(temporary, path)  # never replaces a file, unlike a rename
     finally:
         temporary.unlink(missing_ok=True)

@@ -51,6 +51,10 @@ def vendor(
     api_key_file: ApiKeyFileOption = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint each session every N steps.")] = 50,
     max_sessions: Annotated[int, typer.Option(min=1, help="Sessions held at once.")] = 16,
+    max_abs_value: Annotated[float, typer.Option(help="Largest magnitude accepted for one entry of an uploaded "
+                                                      "representation or a gradient (raise it for eta below "
+                                                      "about 0.02 with blocks >= 1; docs/sap.md).")]
+        = 1e4,  # privlm.sap.messages.MAX_ABS_VALUE, not imported here: that loads torch
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     max_in_flight: MaxInFlightOption = 32,
     docs: DocsOption = False,
@@ -71,6 +75,10 @@ def vendor(
     keys = _load_keys(api_key, api_key_file, API_KEYS_ENV)
     service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
                                max_in_flight=max_in_flight)
+    try:
+        limits = SessionLimits(max_sessions=max_sessions, max_abs_value=max_abs_value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--max-abs-value") from None
     if ray:
         try:
             from privlm.sap.service.ray import sap_vendor_application
@@ -81,13 +89,14 @@ def vendor(
         application = sap_vendor_application(
             model, store=str(store.resolve()), replicas=replicas, replica_cpus=replica_cpus, splits=_splits(splits),
             api_keys=passed, api_key_file=str(api_key_file.resolve()) if api_key_file else None,
-            max_sessions=max_sessions, device="cpu" if device == "auto" else device, service=service)
+            max_sessions=max_sessions, max_abs_value=max_abs_value, device="cpu" if device == "auto" else device,
+            service=service)
         run_blocking(application, host=host, port=port, name="privlm-sap-vendor", address=ray_address)
         return
     try:
         vendor_app = create_vendor_app(model, store=store, splits=_splits(splits), api_keys=keys,
                                        checkpoint_every=checkpoint_every,
-                                       limits=SessionLimits(max_sessions=max_sessions), device=device, **service)
+                                       limits=limits, device=device, **service)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     console.print(f"privlm sap vendor: {model}, splits {splits}, sessions in {store}, on http://{host}:{port}")

@@ -26,8 +26,10 @@ from privlm.wire import WireError
 OutputKind = Literal["logits", "representation"]
 # The largest magnitude of one entry of a released representation or of a returned gradient that a vendor accepts
 # (by default; ``SessionLimits.max_abs_value``). Honest values are far below it: on MiniLM embedding rows hold
-# entries up to 1.05, hidden states up to about 11; d_chi noise adds about sqrt(d) / eta per entry (4 at eta 5);
-# dL/dlogits lies in [-1, 1]. Far larger finite values (1e38) overflow the top, or its optimiser's moments.
+# entries up to 1.05, hidden states up to about 11; d_chi noise adds about sqrt(d) / eta per entry (4 at eta 5),
+# so a noised hidden state (blocks >= 1) stays below the bound for eta >= about 9 sqrt(d) / MAX_ABS_VALUE (0.02 on
+# MiniLM; docs/sap.md, "Limits"); dL/dlogits lies in [-1, 1]. Far larger finite values (1e38) overflow the top,
+# or its optimiser's moments.
 MAX_ABS_VALUE = 1e4
 
 
@@ -60,7 +62,9 @@ def _check_magnitude(name: str, value: torch.Tensor, max_abs: float) -> None:
     largest = float(value.abs().max()) if value.numel() else 0.0
     if largest > max_abs:
         raise ProtocolError(f"{name} holds an entry of magnitude {largest:.3g}, beyond the vendor's bound "
-                            f"max_abs_value={max_abs:g}", limit=name, code="value_out_of_range")
+                            f"max_abs_value={max_abs:g} (a vendor raises it with SessionLimits.max_abs_value, "
+                            "`privlm sap vendor --max-abs-value` or Vendor(max_abs_value=))",
+                            limit=name, code="value_out_of_range")
 
 
 def check_step(step: object) -> int:

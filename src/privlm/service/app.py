@@ -90,7 +90,7 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
-def _field_path(loc: Sequence[object]) -> str:
+def field_path(loc: Sequence[object]) -> str:
     """``input.1`` from pydantic's location: names and indices, without the tags of union branches it tried
     (``constrained-str``, ``list[str]``)."""
     return ".".join(str(part) for part in loc if isinstance(part, int)
@@ -118,9 +118,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid_json(_: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
         # The field at fault, by name and index (a JSON syntax error has only a character offset: no field).
-        fields = _field_path(problems[0].get("loc", ())[1:]) if problems else ""
+        fields = field_path(problems[0].get("loc", ())[1:]) if problems else ""
         param = fields if problems and problems[0].get("type") != "json_invalid" else None
-        summary = "; ".join(f"{_field_path(e.get('loc', ()))}: {e.get('msg', '')}" for e in problems[:3])
+        summary = "; ".join(f"{field_path(e.get('loc', ()))}: {e.get('msg', '')}" for e in problems[:3])
         return error_response(400, f"invalid request: {summary}", param=param or None, code="invalid_request")
 
     @app.exception_handler(HTTPException)

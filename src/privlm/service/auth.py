@@ -33,8 +33,9 @@ class BearerKeys:
     key, so the time taken does not depend on how much of a key matched or on which key it was.
 
     A caller is named by ``principals`` (an HMAC of its key, :mod:`privlm.accounting.principals`), here where
-    its key is checked, so ledgers, audit logs and rate limits see only that id. The default secret lasts one
-    process; :meth:`charging` names callers as a ledger does, under the ledger's persistent secret.
+    its key is checked, so nothing downstream sees the key. The default secret lasts one process (the in-memory
+    in-flight counts use it); :meth:`charging` names callers as a ledger does, under the ledger's persistent
+    secret, so that the ledger and the audit log share one id.
     """
 
     def __init__(self, keys: Sequence[str] = (), *, principals: PrincipalHasher | None = None) -> None:

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 FinishReason = Literal["stop", "length"]
@@ -74,8 +74,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """The fields privlm's chat services read; any other field is kept (and forwarded by a gateway).
 
-    Booleans and integers are strict: ``"yes"`` is not true and ``true`` is not 1 (a gateway forwards what it
-    validated, so a lax parse would change the request)."""
+    Booleans and numbers are strict: ``"yes"`` is not true, ``true`` is not 1, ``"0.5"`` is not 0.5 (a gateway
+    forwards what it validated, so a lax parse would change the request)."""
 
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1, max_length=MAX_MODEL_NAME)
@@ -83,8 +83,8 @@ class ChatCompletionRequest(BaseModel):
     stream: StrictBool | None = False
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)  # a JSON number (int or float), never a bool
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     n: StrictInt | None = Field(None, ge=1)

@@ -42,6 +42,7 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
                          "server", "date", "set-cookie", "proxy-authenticate", "upgrade", "trailer", "te"})
 # Failures before a connection existed: not one byte of the request left (httpx sends only once connected).
 _NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_GATEWAY_HEADERS = ("x-privlm-", "x-should-retry")  # the gateway's own: never taken from an upstream
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ class UpstreamStreamError(Exception):
 
 
 def passed_headers(headers: httpx.Headers) -> dict[str, str]:
-    """The upstream's response headers a caller may see: all but the hop-by-hop ones."""
-    return {name: value for name, value in headers.items() if name.lower() not in _HOP_BY_HOP}
+    """The upstream's response headers a caller may see: all but the hop-by-hop ones and those the gateway speaks
+    in (``x-privlm-*``, ``x-should-retry``), which an upstream must not be able to forge."""
+    return {name: value for name, value in headers.items()
+            if name.lower() not in _HOP_BY_HOP and not name.lower().startswith(_GATEWAY_HEADERS)}
 
 
 class ChatUpstream:
@@ -91,7 +94,8 @@ class ChatUpstream:
             raise ValueError(f"the upstream's base URL must be http(s)://host[:port][/v1], got {base_url!r}")
         path = url.path.rstrip("/")
         self.base_url = str(url.copy_with(path=path if path.endswith("/v1") else f"{path}/v1"))
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # identity: the cap counts the bytes that arrive, and no compressed answer can expand past it in one read
+        headers = {"Accept-Encoding": "identity"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
         # httpx's own timeouts are per operation; the deadline above bounds the whole answer.
         timeout = httpx.Timeout(self.deadline, connect=min(connect_timeout, self.deadline))
         self._client = httpx.AsyncClient(base_url=self.base_url + "/", headers=headers, timeout=timeout,

@@ -222,8 +222,10 @@ def test_the_store_holds_safetensors_and_json_only(vendor_model, tmp_path):
     with serving(_app(vendor_model, store, checkpoint_every=2)) as url, \
             Client(url, config=_config(epochs=1), n_classes=2, api_key=KEYS[0], cache_dir=tmp_path / "c") as client:
         client.fit(TEXTS, LABELS, VALIDATION, VALIDATION_LABELS, progress=False)
-    files = [p for p in store.rglob("*") if p.is_file()]
+    files = [p for p in store.rglob("*") if p.is_file() and p.parent != store]  # the sessions' files
     assert {p.suffix for p in files} == {".json", ".safetensors"}
+    owners = sorted(p.name for p in store.iterdir() if p.is_file())  # the owners' secret (raw bytes), its check (hex)
+    assert owners == ["principals.check", "principals.secret"]
     assert not any(b"\x80\x04\x95" in p.read_bytes()[:16] for p in files)  # no pickle stream
 
 

@@ -670,6 +670,24 @@ def test_finding_9_an_upstream_401_is_a_502_not_the_callers_400(gateway):
     assert answer.json()["error"]["code"] == "upstream_authentication_failed"
 
 
+def test_note_retries_an_embeddings_failure_after_the_charge_is_not_retried_by_the_sdk(gateway):
+    """Issue 22's note on retries, for the embeddings route: once the release is charged and its batches may have
+    reached the server, the 502 says ``x-should-retry: false``, so the ``openai`` SDK (two retries by default)
+    does not release and pay again: the server is asked once."""
+    url, upstream = gateway
+    upstream.encode = answering(401, {"error": {"message": "missing or invalid API key",
+                                                "type": "authentication_error", "code": "invalid_api_key"}})
+    before = upstream.encodes
+    try:
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30.0)
+        with pytest.raises(openai.APIStatusError) as failed:
+            sdk.embeddings.create(model=MODEL, input="the cat sat")
+    finally:
+        upstream.encode = None
+    assert failed.value.status_code == 502 and failed.value.response.headers["x-should-retry"] == "false"
+    assert upstream.encodes - before == 1
+
+
 def test_refused_requests_carry_the_servers_status_and_code():
     http = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(
         413, json={"error": {"message": "too big", "type": "invalid_request_error", "code": "limit_exceeded"}})))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack
@@ -34,8 +35,7 @@ from privlm.cape.service.messages import (
     MessageNames,
     NonTextParts,
     TextSlot,
-    dropped_fields,
-    text_slots,
+    perturbed_fields,
     with_texts,
 )
 from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
@@ -63,6 +63,7 @@ from privlm.service.upstream import (
 
 MAX_REQUEST_BYTES = 4 * 2**20
 UPSTREAM_PATH = "chat/completions"
+logger = logging.getLogger(__name__)
 
 
 class PrivlmOptions(BaseModel):
@@ -163,10 +164,13 @@ class _Call:
         self.headers = privacy_headers(result, self.id, self.dropped)
         self.refund: float | None = None  # what was given back, when the upstream received nothing
 
-    def refunded(self, remaining: float | None) -> None:
-        """The charge was given back (the release was never published): the report says so."""
+    def refunded(self, remaining: float | None, *, charged: bool) -> None:
+        """The release never left this machine, so it costs nothing; a ``charged`` one was given back to the ledger
+        (``x-privlm-refunded``). The report says so."""
         self.refund = self.result.spent
-        self.headers |= {"x-privlm-epsilon-spent": "0", "x-privlm-refunded": f"{self.refund:.6g}"}
+        self.headers["x-privlm-epsilon-spent"] = "0"
+        if charged:
+            self.headers["x-privlm-refunded"] = f"{self.refund:.6g}"
         if remaining is not None:
             self.headers["x-privlm-budget-remaining"] = f"{remaining:.6g}"
 
@@ -203,36 +207,56 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
                         ) -> tuple[PrivateTexts, list[TextSlot], list[str]]:
         epsilon = _request_epsilon(privacy, request, header_epsilon)
         assistant = extractor is not None
-        found = text_slots(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
-                           non_text_parts=options.non_text_parts, message_names=options.message_names)
-        dropped = dropped_fields(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
-                                 message_names=options.message_names)
-        slots, texts = [slot for slot, _ in found], [text for _, text in found]
+        fields = perturbed_fields(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
+                                  non_text_parts=options.non_text_parts, message_names=options.message_names)
+        slots, texts = fields.slots, fields.texts
         privacy.check_lengths(texts)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"
         async with perturbing.turn(caller):
             result = await asyncio.to_thread(privacy.privatize, texts, principal=principal, epsilon=epsilon)
-        return result, slots, dropped
+        return result, slots, fields.dropped
 
     async def chat_completions(request: PrivateChatRequest, principal: str = Depends(auth.dependency),
                                x_privlm_epsilon: str | None = Header(None)) -> Response:
         result, slots, dropped = await privatize(request, principal, x_privlm_epsilon)
         call = _Call(request, principal, result, slots, options.report_in_body, dropped)
-        if audit is not None:
-            await asyncio.to_thread(audit.write, "released", audit_record(
-                result, slots, call.id, principal, request.model, bool(request.stream), dropped))
+        try:
+            if audit is not None:
+                await asyncio.to_thread(audit.write, "released", audit_record(
+                    result, slots, call.id, principal, request.model, bool(request.stream), dropped))
+        except Exception as error:  # an unrecorded release is not sent: nothing crossed
+            raise await failed_after_release(call, error, nothing_sent=True) from None
         try:
             if request.stream:
                 return await _stream(upstream, call, extractor, audit)
             answer = await upstream.post(UPSTREAM_PATH, call.body())
             await asyncio.to_thread(_audit_upstream, audit, call, answer.status)
             return await _complete(answer, call, extractor)
-        except ServiceError as error:  # charged already: the failure carries the report too, and is audited
-            if isinstance(error, NothingSentError):  # nothing crossed: the release was never published
-                call.refunded(await asyncio.to_thread(privacy.refund, result, principal=principal))
-            await asyncio.to_thread(_audit_upstream, audit, call, error.status, error.detail.code)
-            error.headers = {**(error.headers or {}), **call.failure_headers()}
-            raise
+        except Exception as error:  # charged already, whatever failed: see failed_after_release
+            raise await failed_after_release(call, error, nothing_sent=isinstance(error, NothingSentError)
+                                             ) from None
+
+    async def failed_after_release(call: _Call, error: Exception, *, nothing_sent: bool) -> ServiceError:
+        """The answer to any failure once the caller was charged: the release refunded when it provably never
+        left this machine; the report in the headers; no retry by OpenAI's SDKs unless refunded (a retry is a
+        new release and a new charge); audited when the log can be written. Never the text."""
+        if nothing_sent:
+            try:
+                call.refunded(await asyncio.to_thread(privacy.refund, call.result, principal=call.principal),
+                              charged=privacy.ledger is not None)
+            except Exception as refund_error:  # the charge stands: the safe side; the answer then says not to retry
+                logger.warning("request %s: the refund could not be recorded (%s)", call.id,
+                               type(refund_error).__name__)
+        failure = error if isinstance(error, ServiceError) else ServiceError(
+            500, f"the gateway failed after the release ({type(error).__name__})", type="server_error",
+            code="failed_after_release")
+        try:
+            await asyncio.to_thread(_audit_upstream, audit, call, failure.status, failure.detail.code)
+        except Exception as audit_error:  # logged by type only: an exception's message may quote the text
+            logger.warning("request %s: the audit log could not record its failure (%s)", call.id,
+                           type(audit_error).__name__)
+        failure.headers = {**(failure.headers or {}), **call.failure_headers()}
+        return failure
 
     router.post("/v1/chat/completions", response_class=JSONResponse,
                 responses={200: {"model": ChatCompletion, "headers": PRIVACY_HEADERS,
@@ -314,6 +338,10 @@ async def _closing(chunks: AsyncIterator[bytes], stack: AsyncExitStack) -> Async
     except UpstreamStreamError as error:  # the upstream failed mid-stream: say so in OpenAI's error event
         yield sse_event({"error": {"message": str(error), "type": "upstream_error", "code": "upstream_stream_failed",
                                    "param": None}})
+    except Exception as error:  # the gateway's own failure (the extraction, say): an error event, not a cut stream
+        logger.warning("a stream failed in the gateway (%s)", type(error).__name__)
+        yield sse_event({"error": {"message": f"the gateway failed mid-stream ({type(error).__name__})",
+                                   "type": "server_error", "code": "failed_after_release", "param": None}})
     finally:
         await stack.aclose()
 

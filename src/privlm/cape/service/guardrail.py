@@ -54,6 +54,7 @@ from privlm.accounting import BudgetExhaustedError
 from privlm.cape.service.chat import privacy_headers
 from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
 from privlm.service import BearerKeys, FairScheduler, ServiceError, ServiceOptions, create_service_app
+from privlm.service.app import field_path
 from privlm.service.audit import AuditLog
 
 GUARDRAIL_PATH = "/beta/litellm_basic_guardrail_api"
@@ -128,7 +129,7 @@ def _parsed(body: dict[str, Any]) -> GuardrailRequest:
         return GuardrailRequest.model_validate(body)
     except ValidationError as error:
         problems = error.errors(include_url=False, include_input=False, include_context=False)
-        named = "; ".join(f"{'.'.join(map(str, problem['loc'])) or 'body'}: {problem['msg'][:100]}"
+        named = "; ".join(f"{field_path(problem['loc']) or 'body'}: {problem['msg'][:100]}"
                           for problem in problems[:MAX_NAMED_ERRORS])
         more = f" (and {len(problems) - MAX_NAMED_ERRORS} more)" if len(problems) > MAX_NAMED_ERRORS else ""
         raise _BlockedError(f"privlm: the body is not LiteLLM's guardrail request ({named}{more}); nothing may be "

@@ -22,7 +22,7 @@ import copy
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel
 
@@ -31,7 +31,7 @@ from privlm.service.chat import ChatCompletionRequest, ChatMessage, TextPart
 
 NonTextParts = Literal["refuse", "pass"]
 MessageNames = Literal["drop", "perturb", "refuse"]
-MESSAGE_NAMES: tuple[MessageNames, ...] = ("drop", "perturb", "refuse")
+MESSAGE_NAMES: tuple[MessageNames, ...] = get_args(MessageNames)
 SYSTEM_ROLES = frozenset({"system", "developer"})
 # Provider prompt-cache markers (OpenAI's prompt_cache_breakpoint, Anthropic's cache_control through LiteLLM):
 # settings, not text.
@@ -74,62 +74,72 @@ def perturbed_roles(perturb_system: bool, perturb_assistant: bool = False) -> fr
             | (frozenset({"assistant"}) if perturb_assistant else frozenset()))
 
 
-def text_slots(request: ChatCompletionRequest, *, perturb_system: bool = False, perturb_assistant: bool = False,
-               non_text_parts: NonTextParts = "refuse", message_names: MessageNames = "drop"
-               ) -> list[tuple[TextSlot, str]]:
-    """Every text to perturb, with its place; a non-text part of a perturbed message is refused unless passed,
-    and so is any key of a perturbed message or text part that is not handled on purpose.
+@dataclass(frozen=True)
+class PerturbedFields:
+    """What becomes of a request's perturbed messages, decided in one pass: the texts to perturb with their
+    ``slots`` (in order), and the ``dropped`` paths (``messages.<i>.name``) removed before forwarding, so that
+    a name that is not perturbed is always either dropped and reported, or refused."""
+
+    slots: list[TextSlot]
+    texts: list[str]
+    dropped: list[str]
+
+
+def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = False,
+                     perturb_assistant: bool = False, non_text_parts: NonTextParts = "refuse",
+                     message_names: MessageNames = "drop") -> PerturbedFields:
+    """Every text to perturb, with its place, and every field to drop; a non-text part of a perturbed message
+    is refused unless passed, and so is any key of a perturbed message or text part that is not handled on
+    purpose.
 
     ``perturb_assistant``: also assistant messages' text (their tool calls stay as they are). A gateway with
     response-side extraction needs it: the answers it returned were written from the original prompt, so
     they may hold its details, and a client sends them back as history. ``message_names``: what becomes of a
-    perturbed message's ``name`` (see the module doc; ``"drop"``: :func:`dropped_fields` lists them).
+    perturbed message's ``name`` (see the module doc).
     """
     roles = perturbed_roles(perturb_system, perturb_assistant)
-    found: list[tuple[TextSlot, str]] = []
+    fields = PerturbedFields([], [], [])
     for i, message in enumerate(request.messages):
         if message.role not in roles:
             continue
         _check_keys(message, MESSAGE_KEYS[message.role] | {"content", "name"}, f"messages.{i}")
-        found.extend(_name_slot(i, message, message_names))
+        _add_name(fields, i, message, message_names)
         if message.content is None:
             continue
         if isinstance(message.content, str):
-            found.append((TextSlot(i, None, message.role), message.content))
+            _add_text(fields, TextSlot(i, None, message.role), message.content)
             continue
         for j, part in enumerate(message.content):
             if isinstance(part, TextPart):
                 _check_keys(part, TEXT_PART_KEYS, f"messages.{i}.content.{j}")
-                found.append((TextSlot(i, j, message.role), part.text))
+                _add_text(fields, TextSlot(i, j, message.role), part.text)
             elif non_text_parts == "refuse":
                 raise ServiceError(400, f"messages.{i}.content.{j} is a {part.type!r} part, which cannot be "
                                         "perturbed; send text, or start the gateway with --non-text-parts pass to "
                                         "forward such parts unchanged", param=f"messages.{i}.content.{j}",
                                    code="unsupported_content")
-    return found
+    return fields
 
 
-def dropped_fields(request: ChatCompletionRequest, *, perturb_system: bool = False, perturb_assistant: bool = False,
-                   message_names: MessageNames = "drop") -> list[str]:
-    """The paths removed before forwarding: with ``message_names="drop"``, each perturbed message's ``name``."""
-    if message_names != "drop":
-        return []
-    roles = perturbed_roles(perturb_system, perturb_assistant)
-    return [f"messages.{i}.name" for i, message in enumerate(request.messages)
-            if message.role in roles and "name" in message.model_fields_set]
+def _add_text(fields: PerturbedFields, slot: TextSlot, text: str) -> None:
+    fields.slots.append(slot)
+    fields.texts.append(text)
 
 
-def _name_slot(index: int, message: ChatMessage, message_names: MessageNames) -> list[tuple[TextSlot, str]]:
-    """The message's name as a text to perturb (``"perturb"``), refused (``"refuse"``), or none."""
-    if "name" not in message.model_fields_set or message_names == "drop":
-        return []
+def _add_name(fields: PerturbedFields, index: int, message: ChatMessage, message_names: MessageNames) -> None:
+    """The message's name, if it has one: dropped (``"drop"``), perturbed as a text (``"perturb"``) or refused."""
+    if "name" not in message.model_fields_set:
+        return
     param = f"messages.{index}.name"
-    if message_names == "refuse":
+    if message_names == "drop":
+        fields.dropped.append(param)
+    elif message_names == "refuse":
         raise ServiceError(400, f"{param}: this gateway refuses names in perturbed messages (a name can be a "
                                 "person's); leave it out", param=param, code="unsupported_field")
-    if message.name is None:
+    elif message.name is None:
         raise ServiceError(400, f"{param} must be a string", param=param, code="invalid_request")
-    return [(TextSlot(index, None, message.role, field="name"), message.name)]
+    else:
+        _add_text(fields, TextSlot(index, None, message.role, field="name"), message.name)
 
 
 def _check_keys(item: BaseModel, allowed: Iterable[str], path: str) -> None:

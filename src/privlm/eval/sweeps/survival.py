@@ -16,6 +16,7 @@ bound. Nothing is random: the seed in the provenance is only there for the commo
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,18 +124,20 @@ def summary(rows: Sequence[Mapping[str, Any]], rates: Mapping[float, float]) -> 
 def run_survival_bench(setting: SurvivalSetting, out_dir: Path, console: Console) -> list[Path]:
     """Cape on the device model, B calibrated on public prompts; writes results.json and results.md."""
     meta = provenance(seed=0)
+    started = time.perf_counter()
     cape = Cape(setting.device_model, epsilon=max(setting.epsilons), device="cpu")
     bound = cape.calibrate(CALIBRATION_PROMPTS)
     rows = survival_rows(cape, setting.epsilons)
     rates = token_rates(cape, setting.epsilons)
     table = summary(rows, rates)
+    meta["seconds"] = round(time.perf_counter() - started, 1)  # model loading to table, not imports
     payload = {"provenance": meta, "setting": asdict(setting), "logit_bound": bound.value, "cape": repr(cape),
                "summary": table, "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     (out_dir / "results.md").write_text(
         "# How often Cape releases a sensitive word unchanged\n\n"
-        f"`{meta['command']}` (commit `{meta['git_commit']}`), {cape!r}.\n"
+        f"`{meta['command']}` (commit `{meta['git_commit']}`, {meta['seconds']} s), {cape!r}.\n"
         "Exact probabilities from the mechanism's own law; a word survives when each of its perturbed "
         "tokens does.\n\n" + markdown_table(table) + "\n")
     console.print(markdown_table(table))

@@ -24,6 +24,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from fastapi import FastAPI
 
 from privlm._validation import check_positive_finite, check_positive_int
+from privlm.sap.messages import MAX_ABS_VALUE
 from privlm.service import ServiceOptions
 from privlm.service.auth import load_keys
 from privlm.service.ray import keep_replica_ports_on_loopback
@@ -36,15 +37,16 @@ class SapVendorServer:
 
     def __init__(self, model: str = "minilm", *, store: str, splits: Sequence[int] = (0,),
                  api_keys: Sequence[str] = (), api_key_file: str | None = None, api_keys_env: str | None = None,
-                 max_sessions: int = 16, device: str = "cpu", service: ServiceOptions | None = None) -> None:
+                 max_sessions: int = 16, max_abs_value: float = MAX_ABS_VALUE, device: str = "cpu",
+                 service: ServiceOptions | None = None) -> None:
         from privlm.sap.service.server import create_vendor_app
         from privlm.sap.service.sessions import SessionLimits
 
         keys = load_keys(api_keys, key_file=api_key_file, env_var=api_keys_env, option="api_keys")
         keep_replica_ports_on_loopback()
         self._app = create_vendor_app(model, store=store, splits=tuple(splits), api_keys=keys, shared_store=True,
-                                      limits=SessionLimits(max_sessions=max_sessions), device=device,
-                                      on_session=self.hold_session, **(service or {}))
+                                      limits=SessionLimits(max_sessions=max_sessions, max_abs_value=max_abs_value),
+                                      device=device, on_session=self.hold_session, **(service or {}))
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def hold_session(self, session_id: str) -> str:
@@ -63,12 +65,14 @@ SapVendorDeployment = serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS
 def sap_vendor_application(model: str = "minilm", *, store: str, replicas: int = 1, replica_cpus: float = 1.0,
                            splits: Sequence[int] = (0,), api_keys: Sequence[str] = (),
                            api_key_file: str | None = None, api_keys_env: str | None = None, max_sessions: int = 16,
-                           device: str = "cpu", service: ServiceOptions | None = None) -> Any:
+                           max_abs_value: float = MAX_ABS_VALUE, device: str = "cpu",
+                           service: ServiceOptions | None = None) -> Any:
     """A Ray Serve application of ``replicas`` vendor replicas over the shared ``store``, ready for ``serve.run``."""
     replicas = check_positive_int("replicas", replicas)
     replica_cpus = check_positive_finite("replica_cpus", replica_cpus)
+    max_abs_value = check_positive_finite("max_abs_value", max_abs_value)  # refused here, not in every replica
     resources = {"num_cpus": replica_cpus, **({"num_gpus": 1} if device.startswith("cuda") else {})}
     deployment = SapVendorDeployment.options(num_replicas=replicas, ray_actor_options=resources)
     return deployment.bind(model, store=store, splits=list(splits), api_keys=tuple(api_keys),
                            api_key_file=api_key_file, api_keys_env=api_keys_env, max_sessions=max_sessions,
-                           device=device, service=dict(service or {}))
+                           max_abs_value=max_abs_value, device=device, service=dict(service or {}))

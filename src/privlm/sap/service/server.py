@@ -32,8 +32,7 @@ from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save as save_safetensors
 
-from privlm.accounting import PrincipalHasher
-from privlm.accounting.principals import legacy_principal_of_key, secret_path_of
+from privlm.accounting.principals import legacy_principal_of_key
 from privlm.models.device import resolve_device
 from privlm.models.loading import FAMILY_POOLING, load_pretrained
 from privlm.models.partition import split_model
@@ -82,12 +81,12 @@ def _not_found() -> ServiceError:
 
 
 def _owners_auth(api_keys: tuple[str, ...], store: SessionStore) -> BearerKeys:
-    """Keys whose callers own sessions by an HMAC under the store's own secret, ``<store>.secret`` beside its
-    folder (so replicas of one store and a restarted vendor agree); sessions owned by a key's old sha256 id are
-    handed to its new id first."""
+    """Keys whose callers own sessions by an HMAC under the store's own secret, kept inside the store (so replicas
+    of one store and a restarted vendor agree; :meth:`SessionStore.principals`); sessions owned by a key's old
+    sha256 id are handed to its new id first."""
     if not api_keys:
         return BearerKeys()
-    principals = PrincipalHasher.from_file(secret_path_of(store.root))
+    principals = store.principals()
     for key in api_keys:
         store.rename_owner(legacy_principal_of_key(key), principals.of_key(key))
     return BearerKeys(api_keys, principals=principals)

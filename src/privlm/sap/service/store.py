@@ -3,10 +3,16 @@
     <root>/<session id>/session.json               the session's settings and its owner (an HMAC of a key)
     <root>/<session id>/uploads/<n>.safetensors    each Upload as it arrived (SAP message bytes), in order
     <root>/<session id>/checkpoint.safetensors     the vendor's training state, its JSON facts in the metadata
+    <root>/principals.secret                       the secret of the owners' HMACs (32 bytes, mode 0600)
+    <root>/principals.check                        its check value, to refuse a lost or replaced secret
+
+The secret lives inside the store, so every replica that mounts the store (wherever it mounts it) reads the same
+one, and a copy of the store carries it: whoever holds that copy can test guessed keys against its owners.
 
 Every file is written to a temporary name and renamed into place, so a reader (another replica, a restarted
 one) sees the old file or the new one, never half of one. A checkpoint is one file: tensors and facts change
-together. Nothing here is pickled: safetensors and JSON only.
+together. The owners' secret and its check are linked into place instead, so they are never replaced. Nothing
+here is pickled: safetensors and JSON only, and the secret's raw bytes and its check in hex.
 """
 
 from __future__ import annotations
@@ -26,8 +32,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from privlm.accounting import PrincipalHasher, SecretFileError
+from privlm.accounting.principals import create_file_once
+
 SESSION_FILE = "session.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
+SECRET_FILE = "principals.secret"
+SECRET_CHECK_FILE = "principals.check"
 _SESSION_ID = re.compile(r"sap-[0-9a-f]{32}")
 
 
@@ -83,6 +94,27 @@ class SessionStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def principals(self) -> PrincipalHasher:
+        """How the store names its sessions' owners: an HMAC under ``principals.secret`` (made on first use). A
+        secret that has gone missing, or another than the one the store was started with, is refused
+        (:class:`SecretFileError`): every session would silently lose its owner."""
+        secret, check = self.root / SECRET_FILE, self.root / SECRET_CHECK_FILE
+        if check.exists() and not secret.exists():
+            raise SecretFileError(f"the session store {self.root} was started with the secret {secret}, which is "
+                                  "gone; restore it from a backup (a new one would orphan every session)")
+        hasher = PrincipalHasher.from_file(secret)
+        try:
+            if not check.exists():  # the first start; of replicas starting at once, the first one's is kept
+                create_file_once(check, hasher.fingerprint().encode())
+            kept = check.read_bytes()
+        except OSError as error:
+            raise SecretFileError(f"the check value {check} cannot be made or read ({error.strerror or error})"
+                                  ) from None
+        if kept != hasher.fingerprint().encode():
+            raise SecretFileError(f"{secret} is not the secret the session store {self.root} was started with; "
+                                  "restore that one (another would orphan every session)")
+        return hasher
 
     def _folder(self, session_id: str) -> Path:
         return self.root / check_session_id(session_id)

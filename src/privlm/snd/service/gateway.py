@@ -220,12 +220,19 @@ def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 204
         try:
             # "count": cut texts are reported in the x-privlm-truncated header, not as a warning
             call = await asyncio.to_thread(client.begin, tokens, principal=principal, truncation="count")
+        except (ServerError, RequestRefusedError) as error:
+            raise _upstream_failure(error) from None
+        try:
             vectors = np.empty((len(tokens), client.model.hidden_size), dtype=np.float32)
             for indices in call.batches:  # one turn per batch: other callers' batches interleave
                 async with scheduler.turn(caller):
                     vectors[indices] = await asyncio.to_thread(client.encode_batch, call, indices)
         except (ServerError, RequestRefusedError) as error:
-            raise _upstream_failure(error) from None
+            # Charged, and batches may have reached the server (the client already retried what it safely could):
+            # an SDK's retry would be a new release and a new charge.
+            failure = _upstream_failure(error)
+            failure.headers = {**(failure.headers or {}), "x-should-retry": "false"}
+            raise failure from None
         return Encoded(vectors, call.report)
 
     async def embeddings(request: EmbeddingRequest, principal: str = Depends(auth.dependency)) -> Response:
