@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-fast lint venv clean
 
 # The venv is rebuilt when it is missing or the dependency list changed.
 $(STAMP): pyproject.toml scripts/install-system-data.sh
@@ -27,8 +27,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/privlm demo
 
+# Every core (pytest-xdist): each module runs whole on one worker (tests/conftest.py), so each worker loads the
+# real models its modules use, once.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
+
+# Without the tests that load a real packaged model (marked slow by tests/conftest.py) or are marked slow by hand.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n auto --dist loadgroup -m "not slow"
 
 # Style, the import contracts (the floors of docs/architecture.md) and the type checker.
 lint: $(STAMP)

@@ -1,12 +1,24 @@
-"""Shared fixtures. Real packaged models are session-scoped: each loads once per run."""
+"""The fixtures every folder shares (real and tiny models, the chat stub upstream), the ``slow`` marker put on every
+test that loads a real model, and what makes the suite safe under pytest-xdist (a cache per worker; each module
+runs whole on one worker)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 import torch
+from xdist.scheduler import LoadGroupScheduling
+
+if TYPE_CHECKING:  # the modules that load transformers are imported once the variables below are set
+    from privlm.models import SplitModel
+    from privlm.models.chat import ChatModel
+    from privlm.models.language import LanguageModel
+    from tests.support.chat import StubUpstream
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,22 +47,56 @@ def generator() -> torch.Generator:
     return g
 
 
+# -- real packaged models: session-scoped, so each loads once per worker; a test that uses one is marked slow --------
+
+REAL_MODELS = frozenset({"minilm", "smollm2", "smollm2_lm", "chat_model"})
+
+
 @pytest.fixture(scope="session")
-def minilm():
+def minilm() -> SplitModel:
     from privlm.models import SplitModel
 
     return SplitModel.from_pretrained("minilm", device="cpu")
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def smollm2() -> SplitModel:
+    """SmolLM2 as a split model (its input layer, blocks and pooling: SnD, the attacks)."""
     from privlm.models import SplitModel
 
     return SplitModel.from_pretrained("smollm2", device="cpu")
 
 
 @pytest.fixture(scope="session")
-def tiny_masked_lm(tmp_path_factory):
+def smollm2_lm() -> LanguageModel:
+    """SmolLM2 with its head: Cape's device model, the token-level baselines' vocabulary."""
+    from privlm.models.language import LanguageModel
+
+    return LanguageModel.from_pretrained("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def chat_model(smollm2_lm: LanguageModel) -> ChatModel:
+    """SmolLM2 answering chat messages, on the same weights as ``smollm2_lm`` (generation changes none)."""
+    from privlm.models.chat import ChatModel
+
+    return ChatModel(smollm2_lm)
+
+
+# -- tiny random models: built in a second, from configs ---------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> SplitModel:
+    """A tiny random BERT with a real WordPiece tokenizer, loaded from a local folder named ``model`` (the SnD
+    gateway's id for it is ``privlm-snd-model``)."""
+    from privlm.models import SplitModel
+    from tests.models.tiny import tiny_bert_folder
+
+    return SplitModel.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tiny-bert") / "model"), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_masked_lm(tmp_path_factory: pytest.TempPathFactory) -> LanguageModel:
     """A tiny random BertForMaskedLM (64 positions, WordPiece tokenizer) as a device LanguageModel."""
     from privlm.models.language import LanguageModel
     from tests.models.tiny import tiny_masked_lm_folder
@@ -59,9 +105,67 @@ def tiny_masked_lm(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_bert(tmp_path_factory):
-    """A tiny random BERT with a real WordPiece tokenizer, loaded from a local folder."""
-    from privlm.models import SplitModel
-    from tests.models.tiny import tiny_bert_folder
+def vendor_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved 3-block random BERT with MiniLM's tokenizer: a SAP vendor's model folder that loads in a second."""
+    from tests.models.tiny import tiny_bert_with_minilm_tokenizer
 
-    return SplitModel.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tiny-bert")), device="cpu")
+    return tiny_bert_with_minilm_tokenizer(tmp_path_factory.mktemp("sap-vendor-model"), blocks=3)
+
+
+# -- servers ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def stub() -> Iterator[StubUpstream]:
+    """The chat gateway tests' OpenAI-compatible upstream (tests/support/chat.py), on a real uvicorn server."""
+    from tests.service.localhost import serving
+    from tests.support.chat import StubUpstream, stub_app
+
+    record = StubUpstream()
+    with serving(stub_app(record)) as url:
+        record.url, record.port = url, int(url.rsplit(":", 1)[1])
+        yield record
+
+
+# -- running under pytest-xdist -----------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True, scope="session")
+def worker_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``$PRIVLM_CACHE`` for this worker (neighbour sets, bundles, default ledgers): two workers never write the same
+    file. Its ``models`` (SmolLM2 converted from GGUF: a minute of CPU) is the user's, shared: a conversion is
+    published whole, by a rename (``privlm.models.loading.materialise_gguf``)."""
+    from privlm.models.sources import cache_dir
+
+    shared_models = cache_dir() / "models"
+    shared_models.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path_factory.getbasetemp() / "privlm-cache"
+    cache.mkdir(exist_ok=True)
+    (cache / "models").symlink_to(shared_models, target_is_directory=True)
+    saved = os.environ.get("PRIVLM_CACHE")
+    os.environ["PRIVLM_CACHE"] = str(cache)
+    yield cache
+    if saved is None:
+        os.environ.pop("PRIVLM_CACHE", None)
+    else:
+        os.environ["PRIVLM_CACHE"] = saved
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that loads a real packaged model, through its fixtures, is slow (``make test-fast`` skips it)."""
+    for item in items:
+        if REAL_MODELS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+class ModuleOrGroupScheduling(LoadGroupScheduling):
+    """xdist's ``loadgroup``, with each module a group unless an ``xdist_group`` mark names one: a module's tests
+    run in order on one worker (module-scoped servers start once; some tests build on the one before), and the
+    modules that share a group (``ray``: one local cluster at a time) never run at once."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        if nodeid.rfind("@") > nodeid.rfind("]"):
+            return nodeid.split("@")[-1]
+        return nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleOrGroupScheduling | None:
+    return ModuleOrGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None

@@ -16,19 +16,13 @@ from fastapi.responses import JSONResponse
 
 from privlm.sap.service.server import create_vendor_app
 from privlm.service.auth import KEY_ENV_VARS
-from privlm.service.process import free_port, start_privlm, stop
-from tests.models.tiny import tiny_bert_with_minilm_tokenizer
+from privlm.service.process import free_port, stop
 from tests.sap.conftest import LABELS, TEXTS
-from tests.service.localhost import serving
+from tests.service.localhost import dead_url, serving, start_privlm_on_free_port
 from tests.test_docs import ROOT, _commands
 
 KEYS = ("key-acme", "key-globex")
 CUSTOMER_KEY_ENV = "PRIVLM_SAP_API_KEY"
-
-
-@pytest.fixture(scope="module")
-def vendor_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_bert_with_minilm_tokenizer(tmp_path_factory.mktemp("vendor-model"), blocks=3)
 
 
 @pytest.fixture
@@ -86,8 +80,9 @@ def test_finding_7_a_vendor_that_fails_or_cannot_be_reached_is_one_line_too(labe
     with serving(_stub(500)) as url:
         failed = _privlm(["sap", "customer", url, "--data", str(labelled)], tmp_path, **{CUSTOMER_KEY_ENV: KEYS[0]})
     _one_line_error(failed, "500")
-    unreachable = _privlm(["sap", "customer", f"http://127.0.0.1:{free_port()}", "--data", str(labelled),
-                           "--retry-for", "1"], tmp_path, **{CUSTOMER_KEY_ENV: KEYS[0]})
+    with dead_url() as nowhere:
+        unreachable = _privlm(["sap", "customer", nowhere, "--data", str(labelled), "--retry-for", "1"], tmp_path,
+                              **{CUSTOMER_KEY_ENV: KEYS[0]})
     _one_line_error(unreachable, "no answer after")
 
 
@@ -124,11 +119,10 @@ def test_finding_7_the_documented_vendor_and_customer_commands_work_together(ven
         key_file.write_text("\n".join(keys) + "\n")
         key_file.chmod(0o600)  # a key file others can read is refused
     (tmp_path / customer[customer.index("--data") + 1]).write_text(labelled.read_text())
-    port = free_port()
-    vendor = _with_value(_with_value(_with_value(vendor, "--store", str(tmp_path / "sessions")), "--port", str(port)),
-                         "--model", str(vendor_model))
+    vendor = _with_value(_with_value(vendor, "--store", str(tmp_path / "sessions")), "--model", str(vendor_model))
     vendor = [str(tmp_path / part) if part.endswith(".txt") else part for part in vendor]  # its cwd is the test's
-    process = start_privlm(vendor, f"http://127.0.0.1:{port}/health", env=_environment(tmp_path))
+    process, port = start_privlm_on_free_port(lambda port: _with_value(vendor, "--port", str(port)),
+                                              env=_environment(tmp_path))
     try:
         url = f"http://127.0.0.1:{port}"
         result = _privlm(["sap", "customer", url, *customer[3:], "--epochs", "1", "--batch-size", "4"], tmp_path,

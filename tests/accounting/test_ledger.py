@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from privlm.accounting import BudgetExhaustedError, Ledger
+from privlm.accounting import BudgetExhaustedError, Ledger, charge
 from privlm.mechanisms import PrivacyUnit, Spend
 
 EPS = PrivacyUnit.EPSILON
@@ -95,3 +95,20 @@ def test_64_concurrent_spends_from_several_processes_never_pass_the_budget(tmp_p
     assert ledger.spent("shared", EPS) == 20.0
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT COUNT(*), SUM(amount) FROM spends").fetchone() == (20, 20.0)
+
+
+# --- charge: the one way a system charges a release ---------------------------------------------------------
+def test_charge_without_a_ledger_records_nothing_and_gives_no_receipt():
+    assert charge(None, "alice", [Spend(EPS, 3.0)], note="no ledger") == []
+
+
+def test_charge_is_all_or_nothing_and_skips_zero_spends(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    receipts = charge(ledger, "alice", [Spend(EPS, 3.0), Spend(EPS, 0.0), Spend(EPS, 4.0)], note="three prompts")
+    assert [r.spend.amount for r in receipts] == [3.0, 4.0] and ledger.spent("alice", EPS) == 7.0
+    assert charge(ledger, "alice", [Spend(EPS, 0.0)], note="nothing perturbed") == []
+    with pytest.raises(BudgetExhaustedError):
+        charge(ledger, "alice", [Spend(EPS, 2.0), Spend(EPS, 2.0)], note="together over the budget")
+    assert ledger.spent("alice", EPS) == 7.0  # the refused batch left nothing behind
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        charge(ledger, "alice", [Spend(EPS, -1.0)], note="a bad amount is not dropped as if it were zero")

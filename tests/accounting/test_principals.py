@@ -27,23 +27,17 @@ from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit
 from privlm.sap.service.routes import SESSIONS_PATH
 from privlm.service.audit import AuditLog
-from tests.gateway.conftest import EPS, TIMEOUT, chat_gateway, fake_privacy
-from tests.models.tiny import tiny_bert_with_minilm_tokenizer
 from tests.sap.service.conftest import KEYS as VENDOR_KEYS
 from tests.sap.service.test_vendor_server import _app as vendor_app
 from tests.sap.service.test_vendor_server import _fingerprint, _session
 from tests.service.localhost import serving
+from tests.support.chat import EPS, TIMEOUT, chat_gateway, fake_privacy
 
 KEY = "my-app-key"  # the README's: guessable, so its sha256 prefix names it to anyone
 GONE_KEY = "a-key-no-longer-configured"
 BUDGET = 100.0
 HMAC_ID = re.compile(r"hmac-key:[0-9a-f]{32}")
 PROMPT = "Alice from Boston has asthma"  # 5 words: the fake mechanism charges EPS per word
-
-
-@pytest.fixture(scope="module")
-def vendor_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_bert_with_minilm_tokenizer(tmp_path_factory.mktemp("sap-vendor-model"), blocks=3)
 
 
 def old_id(key: str) -> str:

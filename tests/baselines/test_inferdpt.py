@@ -14,6 +14,7 @@ from privlm.accounting import Ledger
 from privlm.attacks import audit_mechanism
 from privlm.baselines.inferdpt import InferDPT, InferDPTMechanism
 from privlm.mechanisms import DiscreteMechanism, PrivacyUnit, exact_privacy_loss, make_generator
+from privlm.models.language import LanguageModel
 from privlm.models.perturbation import TokenOutcome
 from privlm.models.vocabulary import CandidateVocabulary
 from tests.baselines.test_santext import (
@@ -21,7 +22,6 @@ from tests.baselines.test_santext import (
     assert_pooled_draws_follow,
     chi_square_cells,
     line_vocabulary,
-    smollm2_language_model,
     token,
 )
 from tests.conftest import BAD_POSITIVE_REALS, P_THRESHOLD
@@ -30,8 +30,8 @@ LINE = [0.0, 0.3, 0.7, 1.0, 1.6, 2.5]
 
 
 @pytest.fixture(scope="session")
-def vocabulary() -> CandidateVocabulary:
-    return smollm2_language_model().vocabulary
+def vocabulary(smollm2_lm: LanguageModel) -> CandidateVocabulary:
+    return smollm2_lm.vocabulary
 
 
 def exact_line_law(points: list[float], t: int, eps: float) -> np.ndarray:
@@ -181,9 +181,9 @@ def test_spend_charges_the_sound_worst_case_per_token(vocabulary):
 
 
 # --- the perturber and its report ----------------------------------------------------------------
-def test_report_covers_every_token_with_both_accountings(vocabulary, tmp_path):
+def test_report_covers_every_token_with_both_accountings(smollm2_lm, vocabulary, tmp_path):
     ledger = Ledger(tmp_path / "ledger.db", budgets={PrivacyUnit.EPSILON: 1e9})
-    perturber = InferDPT.from_model(smollm2_language_model(), epsilon=10.0, generator=make_generator(3), ledger=ledger)
+    perturber = InferDPT.from_model(smollm2_lm, epsilon=10.0, generator=make_generator(3), ledger=ledger)
     out = perturber.perturb(TEXT)
     report = out.report
     ids = vocabulary.tokenizer(TEXT, add_special_tokens=False)["input_ids"]

@@ -2,7 +2,6 @@
 
 import math
 import sys
-from functools import cache
 
 import numpy as np
 import pytest
@@ -29,14 +28,9 @@ TEXT = "My neighbour Alice Smith paid 1984 dollars for the blue car in Boston la
 
 
 # --- shared with test_inferdpt.py --------------------------------------------------------------
-@cache
-def smollm2_language_model() -> LanguageModel:
-    return LanguageModel.from_pretrained("smollm2", device="cpu")
-
-
 @pytest.fixture(scope="session")
-def vocabulary() -> CandidateVocabulary:
-    return smollm2_language_model().vocabulary
+def vocabulary(smollm2_lm: LanguageModel) -> CandidateVocabulary:
+    return smollm2_lm.vocabulary
 
 
 def token(vocabulary: CandidateVocabulary, word: str) -> torch.Tensor:
@@ -235,9 +229,9 @@ def test_santext_plus_extremes_of_p_and_w(vocabulary, generator):
 
 
 # --- the perturbers and their report -----------------------------------------------------------
-def test_santext_report_covers_every_token_and_perturbs_numbers(vocabulary, tmp_path):
+def test_santext_report_covers_every_token_and_perturbs_numbers(smollm2_lm, vocabulary, tmp_path):
     ledger = Ledger(tmp_path / "ledger.db", budgets={PrivacyUnit.ETA_TOKEN: 1e6})
-    santext = SanText.from_model(smollm2_language_model(), epsilon=2.0, generator=make_generator(1), ledger=ledger)
+    santext = SanText.from_model(smollm2_lm, epsilon=2.0, generator=make_generator(1), ledger=ledger)
     assert santext.name == "santext" and santext.vocabulary is vocabulary
     out = santext.perturb(TEXT)
     report = out.report

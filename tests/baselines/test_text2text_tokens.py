@@ -27,8 +27,8 @@ PROMPT = "My friend Alice Johnson lives at 42 Baker Street, and she works for th
 
 
 @pytest.fixture(scope="session")
-def smollm2_vocabulary() -> CandidateVocabulary:
-    return LanguageModel.from_pretrained("smollm2", device="cpu").vocabulary
+def smollm2_vocabulary(smollm2_lm: LanguageModel) -> CandidateVocabulary:
+    return smollm2_lm.vocabulary
 
 
 def small_vocabulary(table: torch.Tensor) -> CandidateVocabulary:

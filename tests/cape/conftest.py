@@ -1,4 +1,4 @@
-"""Cape's fixtures: the real SmolLM2 device model (loaded once), and one pair of neighbouring real prompts."""
+"""Cape's fixtures: one pair of neighbouring real prompts."""
 
 from __future__ import annotations
 
@@ -7,17 +7,11 @@ from dataclasses import dataclass
 import pytest
 
 from privlm.cape import Cape, PreparedPrompt
-from privlm.models.language import LanguageModel
 
 # Neighbours: the same token count and the same non-sensitive tokens in the same places; one name differs.
 PROMPT = "My friend Alice lives in Paris near the river with her cat Tom and works as a nurse."
 NEIGHBOUR = "My friend Maria lives in Paris near the river with her cat Tom and works as a nurse."
 B = 30.0  # a fixed logit bound, so that most tests need no calibration
-
-
-@pytest.fixture(scope="session")
-def device_lm() -> LanguageModel:
-    return LanguageModel.from_pretrained("smollm2", device="cpu")
 
 
 @dataclass(frozen=True)
@@ -29,8 +23,8 @@ class RealPair:
 
 
 @pytest.fixture(scope="session")
-def real_pair(device_lm) -> RealPair:
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+def real_pair(smollm2_lm) -> RealPair:
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B)
     prompt, neighbour = cape.prepare([PROMPT, NEIGHBOUR])
     assert prompt.positions == neighbour.positions
     changed = [row for row, i in enumerate(prompt.positions)

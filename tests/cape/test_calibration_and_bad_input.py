@@ -55,8 +55,8 @@ def test_saved_bound_loads_and_another_models_is_refused(tiny_masked_lm, tmp_pat
         LogitBound.load(tmp_path / "other.json")
 
 
-def test_uncalibrated_b_is_an_error_that_says_to_calibrate(device_lm):
-    cape = Cape(device_lm, epsilon=1.0)
+def test_uncalibrated_b_is_an_error_that_says_to_calibrate(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=1.0)
     with pytest.raises(ValueError, match=r"calibrate\("):
         cape.perturb(PROMPT)
 
@@ -70,34 +70,34 @@ def test_uncalibrated_b_can_calibrate_on_first_use_with_a_warning(tiny_masked_lm
 
 
 @pytest.mark.parametrize("bad", BAD_POSITIVE_REALS)
-def test_bad_epsilon(device_lm, bad):
+def test_bad_epsilon(smollm2_lm, bad):
     with pytest.raises(ValueError, match="epsilon"):
-        Cape(device_lm, epsilon=bad, logit_bound=B)
+        Cape(smollm2_lm, epsilon=bad, logit_bound=B)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "50", True])
-def test_bad_bucket_count(device_lm, bad):
+def test_bad_bucket_count(smollm2_lm, bad):
     with pytest.raises(ValueError, match="n_buckets"):
-        Cape(device_lm, epsilon=1.0, n_buckets=bad, logit_bound=B)
+        Cape(smollm2_lm, epsilon=1.0, n_buckets=bad, logit_bound=B)
 
 
 @pytest.mark.parametrize("name", ["lambda_L", "lambda_D"])
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1"])
-def test_bad_lambdas(device_lm, name, bad):
+def test_bad_lambdas(smollm2_lm, name, bad):
     with pytest.raises(ValueError, match=name):
-        Cape(device_lm, epsilon=1.0, logit_bound=B, **{name: bad})
+        Cape(smollm2_lm, epsilon=1.0, logit_bound=B, **{name: bad})
 
 
-def test_both_lambdas_zero(device_lm):
+def test_both_lambdas_zero(smollm2_lm):
     with pytest.raises(ValueError, match="both be 0"):
-        Cape(device_lm, epsilon=1.0, lambda_L=0.0, lambda_D=0.0)
+        Cape(smollm2_lm, epsilon=1.0, lambda_L=0.0, lambda_D=0.0)
 
 
 @pytest.mark.parametrize(("name", "bad"), [("logit_bound", 0.0), ("logit_bound", float("nan")), ("batch_size", 0),
                                            ("on_uncalibrated", "maybe")])
-def test_other_bad_parameters(device_lm, name, bad):
+def test_other_bad_parameters(smollm2_lm, name, bad):
     with pytest.raises(ValueError, match=name):
-        Cape(device_lm, epsilon=1.0, **{name: bad})
+        Cape(smollm2_lm, epsilon=1.0, **{name: bad})
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, float("nan"), True])
@@ -106,8 +106,8 @@ def test_bad_quantile(tiny_masked_lm, bad):
         Cape(tiny_masked_lm, epsilon=1.0).calibrate(TEXTS, quantile=bad)
 
 
-def test_empty_and_blank_prompts(device_lm):
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+def test_empty_and_blank_prompts(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B)
     for bad in ("", "   \n", None):
         with pytest.raises(ValueError, match="text"):
             cape.perturb(bad)
@@ -117,8 +117,8 @@ def test_empty_and_blank_prompts(device_lm):
         cape.perturb_batch(["Alice", " "])
 
 
-def test_pair_bound_refuses_prompts_that_are_not_neighbours(device_lm):
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+def test_pair_bound_refuses_prompts_that_are_not_neighbours(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B)
     with pytest.raises(ValueError, match="same token count"):
         cape.pair_bound(PROMPT, PROMPT.replace("Alice", "Alice Smith"))
     with pytest.raises(ValueError, match="non-sensitive"):
@@ -126,9 +126,9 @@ def test_pair_bound_refuses_prompts_that_are_not_neighbours(device_lm):
     assert len(cape.pair_bound(PROMPT, NEIGHBOUR).positions) == 10
 
 
-def test_release_refuses_utilities_prepared_by_another_cape(device_lm):
-    distance_only = Cape(device_lm, epsilon=2.0, lambda_L=0.0)
-    other = Cape(device_lm, epsilon=2.0, lambda_L=0.0, lambda_D=0.5)
+def test_release_refuses_utilities_prepared_by_another_cape(smollm2_lm):
+    distance_only = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.0)
+    other = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.0, lambda_D=0.5)
     prepared = distance_only.prepare(["My friend Alice lives in Paris."])
     assert distance_only.release(prepared)[0].report.n_perturbed > 0
     with pytest.raises(ValueError, match="another Cape"):

@@ -33,9 +33,9 @@ def reference_utility(lm, text, *, bound, lambda_L=0.5, lambda_D=1.0):
     return torch.stack(rows)
 
 
-def test_utility_follows_its_definition_on_both_paths(device_lm):
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
-    expected = reference_utility(device_lm, PROMPT, bound=B)
+def test_utility_follows_its_definition_on_both_paths(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B)
+    expected = reference_utility(smollm2_lm, PROMPT, bound=B)
     fused = cape.prepare([PROMPT])[0].utilities  # SmolLM2 ties its head: one product for logits and distances
     assert cape._head is not None
     torch.testing.assert_close(fused.double(), expected, atol=1e-4, rtol=0)
@@ -44,11 +44,11 @@ def test_utility_follows_its_definition_on_both_paths(device_lm):
     assert fused.min() >= 0 and fused.max() <= cape.config.sensitivity
 
 
-def test_one_forward_pass_per_batch_and_none_without_logits(device_lm):
-    cape = Cape(device_lm, epsilon=2.0, logit_bound=B)
-    distance_only = Cape(device_lm, epsilon=2.0, lambda_L=0.0)  # needs no B: the device model never runs
+def test_one_forward_pass_per_batch_and_none_without_logits(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=2.0, logit_bound=B)
+    distance_only = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.0)  # needs no B: the device model never runs
     calls = []
-    hook = device_lm.model.base_model.register_forward_hook(lambda *args: calls.append(1))
+    hook = smollm2_lm.model.base_model.register_forward_hook(lambda *args: calls.append(1))
     try:
         cape.perturb_batch([PROMPT, NEIGHBOUR, "Bob paid 12 dollars."])
         assert len(calls) == 1
@@ -67,12 +67,12 @@ def test_causal_context_reaches_later_positions_only(real_pair):
         assert same == (row < real_pair.changed), row
 
 
-def test_report_of_a_real_prompt(device_lm):
-    cape = Cape(device_lm, epsilon=3.0, logit_bound=B, generator=make_generator(1))
+def test_report_of_a_real_prompt(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=3.0, logit_bound=B, generator=make_generator(1))
     result = cape.perturb(PROMPT)
     report = result.report
     assert isinstance(cape, TextPerturber) and cape.name == report.mechanism == "cape"
-    assert report.candidate_set_size == cape.vocabulary.size == len(device_lm.tokenizer) - 17
+    assert report.candidate_set_size == cape.vocabulary.size == len(smollm2_lm.tokenizer) - 17
     assert "".join(t.original for t in report.tokens) == PROMPT
     perturbed = [t for t in report.tokens if t.outcome is TokenOutcome.PERTURBED]
     assert len(perturbed) == report.n_perturbed == 10
@@ -86,20 +86,20 @@ def test_report_of_a_real_prompt(device_lm):
     assert report.accounting["privlm"] == pytest.approx(10 * per_token)
     assert report.accounting["paper"] == pytest.approx(sum(3.0 + t.eps_prime for t in perturbed))
     assert report.chunks == 1 and report.spent is None and report.notes == ()
-    assert result.text == device_lm.tokenizer.decode([t.released_id for t in report.tokens])
+    assert result.text == smollm2_lm.tokenizer.decode([t.released_id for t in report.tokens])
 
 
-def test_non_sensitive_rule_on_real_tokens(device_lm):
+def test_non_sensitive_rule_on_real_tokens(smollm2_lm):
     """Stopwords and punctuation kept; " The" of "Themba" and " And" of "Andover" perturbed."""
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B)
     report = cape.perturb("I met Themba and Andover at the doctor.").report
     outcome = {t.original: t.outcome for t in report.tokens}
     assert outcome[" The"] is outcome[" And"] is outcome[" doctor"] is TokenOutcome.PERTURBED
     assert outcome["I"] is outcome[" and"] is outcome[" the"] is outcome["."] is TokenOutcome.NON_SENSITIVE
 
 
-def test_unbucketed_cape_is_the_exponential_mechanism(device_lm):
-    cape = Cape(device_lm, epsilon=2.0, n_buckets=None, logit_bound=B, generator=make_generator(2))
+def test_unbucketed_cape_is_the_exponential_mechanism(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=2.0, n_buckets=None, logit_bound=B, generator=make_generator(2))
     assert isinstance(cape.mechanism(), ExponentialMechanism)
     assert cape.mechanism().sensitivity == cape.config.sensitivity == 1.5
     report = cape.perturb(PROMPT).report
@@ -108,8 +108,8 @@ def test_unbucketed_cape_is_the_exponential_mechanism(device_lm):
     assert report.accounting == {"paper": pytest.approx(2.0 * 10), "privlm": pytest.approx(2.0 * 10)}
 
 
-def test_mechanism_and_config(device_lm):
-    cape = Cape(device_lm, epsilon=2.0, lambda_L=0.25, lambda_D=0.75, n_buckets=8, logit_bound=B)
+def test_mechanism_and_config(smollm2_lm):
+    cape = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.25, lambda_D=0.75, n_buckets=8, logit_bound=B)
     mechanism = cape.mechanism()
     assert isinstance(mechanism, CapeBucketizedMechanism)
     assert (mechanism.epsilon, mechanism.sensitivity, mechanism.n_buckets) == (2.0, 1.0, 8)
@@ -131,9 +131,9 @@ def test_prepare_once_release_at_many_epsilons(real_pair):
         cape.release(prepared, epsilon=0.0)
 
 
-def test_seeded_generators_replay_and_os_entropy_differs(device_lm, real_pair):
+def test_seeded_generators_replay_and_os_entropy_differs(smollm2_lm, real_pair):
     def release(generator):
-        return Cape(device_lm, epsilon=1.0, logit_bound=B, generator=generator).release([real_pair.prompt])[0].text
+        return Cape(smollm2_lm, epsilon=1.0, logit_bound=B, generator=generator).release([real_pair.prompt])[0].text
     assert release(make_generator(11)) == release(make_generator(11))
     assert release(None) != release(None)  # 10 tokens at epsilon 1: equal draws are astronomically unlikely
     cape = real_pair.cape
@@ -153,21 +153,21 @@ class RecordingLedger(Ledger):
         return super().spend_all(principal, spends, note=note)
 
 
-def test_ledger_is_charged_before_anything_is_drawn(device_lm, real_pair, tmp_path):
+def test_ledger_is_charged_before_anything_is_drawn(smollm2_lm, real_pair, tmp_path):
     generator = make_generator(5)
     start = generator.get_state().clone()
     ledger = RecordingLedger(tmp_path / "ledger.db", budgets={PrivacyUnit.EPSILON: 1000.0}, generator=generator)
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B, generator=generator, ledger=ledger, principal="alice")
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B, generator=generator, ledger=ledger, principal="alice")
     report = cape.release([real_pair.prompt])[0].report
     assert torch.equal(ledger.states[0], start)
     assert report.spent == report.accounting["privlm"] == pytest.approx(ledger.spent("alice", PrivacyUnit.EPSILON))
 
 
-def test_exhausted_budget_releases_nothing(device_lm, real_pair, tmp_path):
+def test_exhausted_budget_releases_nothing(smollm2_lm, real_pair, tmp_path):
     generator = make_generator(6)
     start = generator.get_state().clone()
     ledger = Ledger(tmp_path / "ledger.db", budgets={PrivacyUnit.EPSILON: 200.0})
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B, generator=generator, ledger=ledger)
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B, generator=generator, ledger=ledger)
     cost = cape.release([real_pair.prompt])[0].report.spent  # about 157: one prompt fits, two do not
     drawn = generator.get_state().clone()
     with pytest.raises(BudgetExhaustedError):
@@ -176,9 +176,9 @@ def test_exhausted_budget_releases_nothing(device_lm, real_pair, tmp_path):
     assert torch.equal(generator.get_state(), drawn) and not torch.equal(drawn, start)
 
 
-def test_only_non_sensitive_tokens_spend_nothing(device_lm, tmp_path):
+def test_only_non_sensitive_tokens_spend_nothing(smollm2_lm, tmp_path):
     ledger = Ledger(tmp_path / "ledger.db", budgets={PrivacyUnit.EPSILON: 10.0})
-    cape = Cape(device_lm, epsilon=1.0, ledger=ledger)  # uncalibrated: no logit is needed here
+    cape = Cape(smollm2_lm, epsilon=1.0, ledger=ledger)  # uncalibrated: no logit is needed here
     text = "And then, if I was there... what of it?"
     result = cape.perturb(text)
     assert result.text == text
@@ -187,18 +187,18 @@ def test_only_non_sensitive_tokens_spend_nothing(device_lm, tmp_path):
     assert ledger.spent("local", PrivacyUnit.EPSILON) == 0.0
 
 
-def test_batched_rows_match_one_prompt_at_a_time(device_lm):
+def test_batched_rows_match_one_prompt_at_a_time(smollm2_lm):
     """Right padding and the order of rows: a batch gives each prompt the rows it gets alone."""
-    cape = Cape(device_lm, epsilon=1.0, logit_bound=B)
+    cape = Cape(smollm2_lm, epsilon=1.0, logit_bound=B)
     texts = [PROMPT, "Bob paid 12 dollars to Carol."]
     batched = cape.prepare(texts)
     for text, prepared in zip(texts, batched, strict=True):
         torch.testing.assert_close(prepared.utilities, cape.prepare([text])[0].utilities, atol=1e-5, rtol=0)
 
 
-def test_distance_only_rows_peak_at_the_token_itself(device_lm):
+def test_distance_only_rows_peak_at_the_token_itself(smollm2_lm):
     """lambda_L = 0: u = lambda_D * s, and s = 1 exactly at the original token (its distance to itself is 0)."""
-    cape = Cape(device_lm, epsilon=1.0, lambda_L=0.0, lambda_D=2.0)
+    cape = Cape(smollm2_lm, epsilon=1.0, lambda_L=0.0, lambda_D=2.0)
     prepared = cape.prepare([PROMPT])[0]
     own = cape.vocabulary.candidate_index[torch.tensor([prepared.tokens.ids[i] for i in prepared.positions])]
     peak = prepared.utilities.amax(-1)

@@ -114,8 +114,8 @@ def fake_privacy(ledger: Ledger | None = None, *, max_prompt_tokens: int = 8192,
 
 
 @pytest.fixture(scope="module")
-def privacy(device_lm) -> PromptPrivacy:
-    return PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B)
+def privacy(smollm2_lm) -> PromptPrivacy:
+    return PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B)
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +207,11 @@ def test_a_response_is_not_perturbed_nor_charged(tmp_path):
 # -- budgets ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(device_lm, privacy, tmp_path):
+def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(smollm2_lm, privacy, tmp_path):
     cost = privacy.privatize([PROMPT], principal="probe").spent  # charged before drawing: the same every call
     budget = 1.5 * cost
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: budget})
-    charged = PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+    charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
     with serving(create_guardrail_app(charged)) as url, httpx.Client(base_url=url, timeout=60) as http:
         first = post(http, litellm_body([PROMPT]))
         assert first.json()["action"] == "GUARDRAIL_INTERVENED", first.text
@@ -230,9 +230,9 @@ def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(device_lm, pr
 
 
 @pytest.mark.slow
-def test_end_user_charging_charges_the_end_user_not_the_key(device_lm, tmp_path):
+def test_end_user_charging_charges_the_end_user_not_the_key(smollm2_lm, tmp_path):
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1e6})
-    charged = PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+    charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
     app = create_guardrail_app(charged, charge_to="end-user")
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         data = {"user_api_key_hash": KEY_HASH, "user_api_key_end_user_id": "customer-42"}
@@ -316,10 +316,10 @@ def test_a_release_that_cannot_be_audited_is_blocked(privacy, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["audit.jsonl", "audit.sqlite"])
-def test_the_audit_log_and_the_ledger_never_hold_the_original(device_lm, tmp_path, name):
+def test_the_audit_log_and_the_ledger_never_hold_the_original(smollm2_lm, tmp_path, name):
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1e6})
     audit = AuditLog(tmp_path / name)
-    charged = PromptPrivacy.cape(device_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+    charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
     with serving(create_guardrail_app(charged, audit=audit)) as url, httpx.Client(base_url=url, timeout=60) as http:
         released = post(http, litellm_body([PROMPT, ""]))
         reasons = [post(http, litellm_body([SECRET], images=["data:image/png;base64,AAAA"])).json()["blocked_reason"],

@@ -176,12 +176,11 @@ def test_the_setting_checks_its_sizes():
 
 
 @pytest.mark.slow
-def test_the_logit_bound_is_calibrated_on_smollm2_and_saved_for_the_gateway(tmp_path):
+def test_the_logit_bound_is_calibrated_on_smollm2_and_saved_for_the_gateway(smollm2_lm, tmp_path):
     from privlm.cape import LogitBound
     from privlm.eval.sweeps.chat_load import calibrate_bound
-    from privlm.models.language import LanguageModel
 
     figures = calibrate_bound(tmp_path / "bound.json")
     bound = LogitBound.load(tmp_path / "bound.json")
     assert bound.value == figures["value"] > 0 and bound.n_texts == figures["n_texts"] > 0
-    bound.check_model(LanguageModel.from_pretrained("smollm2", device="cpu").weights_fingerprint)
+    bound.check_model(smollm2_lm.weights_fingerprint)

@@ -22,8 +22,8 @@ DRAWS = 20_000
 
 
 @pytest.fixture(scope="module")
-def cape() -> Cape:
-    return Cape(LanguageModel.from_pretrained("smollm2", device="cpu"), epsilon=6.0, logit_bound=B)
+def cape(smollm2_lm: LanguageModel) -> Cape:
+    return Cape(smollm2_lm, epsilon=6.0, logit_bound=B)
 
 
 def within(observed: float, expected: float, variance: float) -> bool:

@@ -11,15 +11,9 @@ from privlm.eval.zero_shot import (
     zero_shot_auc,
     zero_shot_prompt,
 )
-from privlm.models.language import LanguageModel
 
 POSITIVE = "I love this so much, what a wonderful happy day!"
 NEGATIVE = "I hate this, what an awful, terrible, miserable day."
-
-
-@pytest.fixture(scope="session")
-def smollm2_lm() -> LanguageModel:
-    return LanguageModel.from_pretrained("smollm2", device="cpu")
 
 
 def test_the_prompt_is_the_papers_in_the_chat_template(smollm2_lm):

@@ -11,16 +11,16 @@ import pytest
 
 from privlm.gateway import ChatSetup, create_privacy_gateway, mechanism_privacy
 from privlm.service.upstream import ChatUpstream
-from tests.gateway.conftest import EPS, fake_privacy
 from tests.service.fuzz import conforming, fuzz_openapi
 from tests.service.localhost import serving
+from tests.support.chat import EPS, fake_privacy
 
 KEY = "fuzz-key-0001"
 
 
 @pytest.mark.slow
-def test_the_gateway_openapi_never_answers_5xx(gateway_lm, stub):
-    privacy = mechanism_privacy("cape-distance", gateway_lm, epsilon=EPS, logit_bound=None, max_prompt_tokens=16)
+def test_the_gateway_openapi_never_answers_5xx(smollm2_lm, stub):
+    privacy = mechanism_privacy("cape-distance", smollm2_lm, epsilon=EPS, logit_bound=None, max_prompt_tokens=16)
     setup = ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url), models=["stub-model"], guardrail=True)
     with serving(create_privacy_gateway(chat=setup, api_keys=[KEY])) as url:
         seen = fuzz_openapi(url, headers={"authorization": f"Bearer {KEY}"}, max_examples=30)

@@ -15,25 +15,25 @@ from privlm.cape import LogitBound
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.auth import CHAT_UPSTREAM_API_KEY_ENV, GATEWAY_API_KEYS_ENV, KEY_ENV_VARS
-from privlm.service.process import free_port, start_privlm, stop
+from privlm.service.process import stop
 from privlm.service.upstream import ChatUpstream
-from tests.gateway.conftest import CANNED_CONTENT, TIMEOUT, B, fake_privacy
+from tests.service.localhost import start_privlm_on_free_port
+from tests.support.chat import CANNED_CONTENT, TIMEOUT, B, fake_privacy
 
 GUARDRAIL = "/beta/litellm_basic_guardrail_api"
 runner = CliRunner()
 
 
 @pytest.mark.slow
-def test_the_gateway_command_serves_private_chat(gateway_lm, stub, tmp_path):
-    bound = LogitBound(value=B, model_fingerprint=gateway_lm.weights_fingerprint).save(tmp_path / "logit_bound.json")
-    port = free_port()
+def test_the_gateway_command_serves_private_chat(smollm2_lm, stub, tmp_path):
+    bound = LogitBound(value=B, model_fingerprint=smollm2_lm.weights_fingerprint).save(tmp_path / "logit_bound.json")
     env = {name: value for name, value in os.environ.items() if name not in KEY_ENV_VARS}
     env |= {CHAT_UPSTREAM_API_KEY_ENV: "sk-cli-upstream-key", GATEWAY_API_KEYS_ENV: "cli-app-key"}
-    args = ["gateway", "--chat-upstream", stub.url, "--epsilon", "6", "--logit-bound", str(bound), "--port", str(port),
-            "--device", "cpu", "--chat-budget", "1000", "--chat-ledger", str(tmp_path / "ledger.sqlite"),
+    args = ["gateway", "--chat-upstream", stub.url, "--epsilon", "6", "--logit-bound", str(bound), "--device", "cpu",
+            "--chat-budget", "1000", "--chat-ledger", str(tmp_path / "ledger.sqlite"),
             "--audit-log", str(tmp_path / "audit.jsonl"), "--no-guardrail"]
     stub.clear()
-    process = start_privlm(args, f"http://127.0.0.1:{port}/health", env=env)
+    process, port = start_privlm_on_free_port(lambda port: [*args, "--port", str(port)], env=env)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-app-key", max_retries=0,
                                timeout=TIMEOUT)

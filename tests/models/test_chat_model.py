@@ -23,11 +23,6 @@ pytestmark = pytest.mark.slow
 HELLO = [{"role": "user", "content": "Name three colours."}]
 
 
-@pytest.fixture(scope="module")
-def chat() -> ChatModel:
-    return ChatModel.from_pretrained("smollm2", device="cpu")
-
-
 class ScriptedLM(torch.nn.Module):
     """A causal LM that answers ``script`` (token ids), one per step, whatever the prompt."""
 
@@ -46,9 +41,9 @@ class ScriptedLM(torch.nn.Module):
         return SimpleNamespace(logits=logits, past_key_values=step)
 
 
-def scripted(chat: ChatModel, text: str) -> ChatModel:
+def scripted(chat_model: ChatModel, text: str) -> ChatModel:
     """A ChatModel on SmolLM2's tokenizer whose answer is ``text``'s tokens, then its end-of-sequence token."""
-    tokenizer = chat.language_model.tokenizer
+    tokenizer = chat_model.language_model.tokenizer
     eos = tokenizer.eos_token_id
     ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], eos]
     module = ScriptedLM(ids, len(tokenizer), eos)
@@ -63,30 +58,30 @@ def pieces_and_generation(model: ChatModel, **options: object) -> tuple[list[str
     return pieces, generation  # type: ignore[return-value]
 
 
-def test_greedy_is_deterministic_and_streaming_matches(chat: ChatModel) -> None:
-    first = chat.generate(HELLO, max_tokens=20, temperature=0)
-    assert first == chat.generate(HELLO, max_tokens=20, temperature=0)
-    pieces, generation = pieces_and_generation(chat, max_tokens=20)
+def test_greedy_is_deterministic_and_streaming_matches(chat_model: ChatModel) -> None:
+    first = chat_model.generate(HELLO, max_tokens=20, temperature=0)
+    assert first == chat_model.generate(HELLO, max_tokens=20, temperature=0)
+    pieces, generation = pieces_and_generation(chat_model, max_tokens=20)
     assert "".join(pieces) == generation.text == first.text and first.text
-    assert generation.prompt_tokens == len(chat.prompt_ids(HELLO))
+    assert generation.prompt_tokens == len(chat_model.prompt_ids(HELLO))
 
 
-def test_max_tokens_ends_with_length(chat: ChatModel) -> None:
-    generation = chat.generate(HELLO, max_tokens=3, temperature=0)
+def test_max_tokens_ends_with_length(chat_model: ChatModel) -> None:
+    generation = chat_model.generate(HELLO, max_tokens=3, temperature=0)
     assert (generation.finish_reason, generation.completion_tokens) == ("length", 3)
 
 
-def test_sampling_draws_from_the_generator_only(chat: ChatModel) -> None:
+def test_sampling_draws_from_the_generator_only(chat_model: ChatModel) -> None:
     global_state = torch.get_rng_state()
     generator = make_generator(7)
     generator_state = generator.get_state()
-    first = chat.generate(HELLO, max_tokens=30, temperature=1.0, generator=generator)
+    first = chat_model.generate(HELLO, max_tokens=30, temperature=1.0, generator=generator)
     assert torch.equal(torch.get_rng_state(), global_state)  # the global RNG was never drawn from
     assert not torch.equal(generator.get_state(), generator_state)  # the passed one was
-    assert chat.generate(HELLO, max_tokens=30, temperature=1.0, generator=make_generator(7)) == first
+    assert chat_model.generate(HELLO, max_tokens=30, temperature=1.0, generator=make_generator(7)) == first
     torch.manual_seed(0)  # the global seed changes nothing
-    assert chat.generate(HELLO, max_tokens=30, temperature=1.0, generator=make_generator(7)) == first
-    assert chat.generate(HELLO, max_tokens=30, temperature=1.0, generator=make_generator(8)).text != first.text
+    assert chat_model.generate(HELLO, max_tokens=30, temperature=1.0, generator=make_generator(7)) == first
+    assert chat_model.generate(HELLO, max_tokens=30, temperature=1.0, generator=make_generator(8)).text != first.text
 
 
 def test_top_p_keeps_the_nucleus_only() -> None:
@@ -100,8 +95,8 @@ def test_top_p_keeps_the_nucleus_only() -> None:
     assert next_token(logits, temperature=0, top_p=1.0, generator=generator) == 0
 
 
-def test_stop_string_across_token_boundaries_is_held_back(chat: ChatModel) -> None:
-    model = scripted(chat, "Hello STOP world")  # tokens: "Hello", " ST", "OP", " world"
+def test_stop_string_across_token_boundaries_is_held_back(chat_model: ChatModel) -> None:
+    model = scripted(chat_model, "Hello STOP world")  # tokens: "Hello", " ST", "OP", " world"
     pieces, generation = pieces_and_generation(model, stop=["STOP"])
     assert pieces == ["Hello", " "]  # "ST" was held back, then dropped with the stop string
     assert (generation.text, generation.finish_reason, generation.completion_tokens) == ("Hello ", "stop", 3)
@@ -111,8 +106,8 @@ def test_stop_string_across_token_boundaries_is_held_back(chat: ChatModel) -> No
     assert (generation.text, generation.finish_reason) == ("Hello STOP world", "stop")  # at the eos
 
 
-def test_stop_string_inside_one_token_and_after_length(chat: ChatModel) -> None:
-    model = scripted(chat, "Hello STOP world")
+def test_stop_string_inside_one_token_and_after_length(chat_model: ChatModel) -> None:
+    model = scripted(chat_model, "Hello STOP world")
     pieces, generation = pieces_and_generation(model, stop=["O", "wor"])
     assert "".join(pieces) == generation.text == "Hello ST"
     pieces, generation = pieces_and_generation(model, stop=["ST!"], max_tokens=2)
@@ -120,12 +115,12 @@ def test_stop_string_inside_one_token_and_after_length(chat: ChatModel) -> None:
     assert generation.finish_reason == "length"
 
 
-def test_multi_byte_characters_cut_between_tokens(chat: ChatModel) -> None:
+def test_multi_byte_characters_cut_between_tokens(chat_model: ChatModel) -> None:
     text = "Café 日本語 🙂 done"
-    tokenizer = chat.language_model.tokenizer
+    tokenizer = chat_model.language_model.tokenizer
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert any(tokenizer.decode(ids[:i]).endswith(REPLACEMENT) for i in range(1, len(ids)))  # the test bites
-    pieces, generation = pieces_and_generation(scripted(chat, text))
+    pieces, generation = pieces_and_generation(scripted(chat_model, text))
     assert not any(REPLACEMENT in piece for piece in pieces)
     assert "".join(pieces) == generation.text == text
     assert generation.completion_tokens == len(ids) + 1  # the eos counts
@@ -138,13 +133,13 @@ def test_stop_holdback() -> None:
     assert stop_holdback("ab", ["abab"]) == 2
 
 
-def test_prompt_longer_than_the_context_is_refused(chat: ChatModel) -> None:
+def test_prompt_longer_than_the_context_is_refused(chat_model: ChatModel) -> None:
     long = [{"role": "user", "content": "word " * 9000}]
     with pytest.raises(ContextLengthError) as caught:
-        chat.stream(long, max_tokens=10)
-    count = len(chat.prompt_ids(long))
-    assert caught.value.prompt_tokens == count and caught.value.limit == chat.context_length - 10
-    assert str(count) in str(caught.value) and str(chat.context_length - 10) in str(caught.value)
+        chat_model.stream(long, max_tokens=10)
+    count = len(chat_model.prompt_ids(long))
+    assert caught.value.prompt_tokens == count and caught.value.limit == chat_model.context_length - 10
+    assert str(count) in str(caught.value) and str(chat_model.context_length - 10) in str(caught.value)
     assert caught.value.param == "messages"
 
 
@@ -153,9 +148,9 @@ def test_prompt_longer_than_the_context_is_refused(chat: ChatModel) -> None:
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"), ({"stop": [3]}, "stop"),
 ])
-def test_bad_parameters_are_named(chat: ChatModel, options: dict[str, object], param: str) -> None:
+def test_bad_parameters_are_named(chat_model: ChatModel, options: dict[str, object], param: str) -> None:
     with pytest.raises(ChatRequestError, match=param) as caught:
-        chat.stream(HELLO, **options)  # type: ignore[arg-type]
+        chat_model.stream(HELLO, **options)  # type: ignore[arg-type]
     assert caught.value.param == param
 
 
@@ -163,15 +158,15 @@ def test_bad_parameters_are_named(chat: ChatModel, options: dict[str, object], p
     ([], "messages"), ("hello", "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": "x"}, {"role": "user", "content": None}], "messages[1].content"),
 ])
-def test_bad_messages_are_named(chat: ChatModel, messages: object, param: str) -> None:
+def test_bad_messages_are_named(chat_model: ChatModel, messages: object, param: str) -> None:
     with pytest.raises(ChatRequestError) as caught:
-        chat.prompt_ids(messages)  # type: ignore[arg-type]
+        chat_model.prompt_ids(messages)  # type: ignore[arg-type]
     assert caught.value.param == param and param in str(caught.value)
 
 
-def test_generator_on_another_device_or_of_another_type_is_refused(chat: ChatModel) -> None:
+def test_generator_on_another_device_or_of_another_type_is_refused(chat_model: ChatModel) -> None:
     with pytest.raises(ValueError, match="generator"):
-        chat.stream(HELLO, generator="seed")  # type: ignore[arg-type]
+        chat_model.stream(HELLO, generator="seed")  # type: ignore[arg-type]
 
 
 def test_a_masked_lm_is_refused(tiny_masked_lm: LanguageModel) -> None:
@@ -179,16 +174,16 @@ def test_a_masked_lm_is_refused(tiny_masked_lm: LanguageModel) -> None:
         ChatModel(tiny_masked_lm)
 
 
-def test_a_tokenizer_without_chat_template_is_refused(chat: ChatModel) -> None:
+def test_a_tokenizer_without_chat_template_is_refused(chat_model: ChatModel) -> None:
     import copy
 
-    tokenizer = copy.deepcopy(chat.language_model.tokenizer)
+    tokenizer = copy.deepcopy(chat_model.language_model.tokenizer)
     tokenizer.chat_template = None
-    language_model = LanguageModel(model=chat.language_model.model, tokenizer=tokenizer, kind="causal")
+    language_model = LanguageModel(model=chat_model.language_model.model, tokenizer=tokenizer, kind="causal")
     with pytest.raises(ValueError, match="chat template"):
         ChatModel(language_model)
 
 
-def test_names(chat: ChatModel) -> None:
-    assert chat.name == "smollm2-135m-instruct" and chat.context_length == 8192 and chat.eos_ids
-    assert ChatModel(chat.language_model, name="mine").name == "mine"
+def test_names(chat_model: ChatModel) -> None:
+    assert chat_model.name == "smollm2-135m-instruct" and chat_model.context_length == 8192 and chat_model.eos_ids
+    assert ChatModel(chat_model.language_model, name="mine").name == "mine"

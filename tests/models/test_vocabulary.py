@@ -62,10 +62,8 @@ def test_records_give_every_token_its_outcome_and_text(tiny_vocabulary):
 
 
 @pytest.mark.slow
-def test_smollm2_as_a_causal_device_model():
-    from privlm.models.language import LanguageModel
-
-    lm = LanguageModel.from_pretrained("smollm2", device="cpu")
+def test_smollm2_as_a_causal_device_model(smollm2_lm):
+    lm = smollm2_lm
     assert lm.kind == "causal" and lm.context_length == 8192
     assert lm.vocabulary.size == 49152 - 17  # 17 special tokens (<|endoftext|>, <|im_start|>, ... <empty_output>)
     assert len(lm.weights_fingerprint) == 64

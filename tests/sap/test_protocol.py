@@ -94,7 +94,7 @@ def test_trainable_bottom_gets_the_cut_gradient(make_parts) -> None:  # type: ig
     assert parties.customer.account.releases == 8  # two batches of 4, each privatized when used
 
 
-def test_cut_gradient_is_the_true_gradient_without_noise(make_parts, tiny_bert) -> None:  # type: ignore[no-untyped-def]
+def test_cut_gradient_is_the_true_gradient_without_noise(make_parts, vendor_bert) -> None:  # type: ignore[no-untyped-def]
     """eta=None: the protocol's cut gradient equals autograd through the unsplit bottom+top."""
     config = SapConfig(blocks=1, eta=None, trainable_bottom=True)
     parts = make_parts(config)

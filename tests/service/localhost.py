@@ -3,24 +3,46 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
-from privlm.service.process import free_port
+from privlm.service.process import free_port, start_privlm
 from privlm.service.serving import service_config
 
 
+def bound_socket() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1, not listening yet: connections are refused until a server listens
+    on it, and no other test worker can take the port meanwhile (as it could between picking a port and binding)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def port_of(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
 @contextmanager
-def serving(app: FastAPI, port: int | None = None, *, delay: float = 0.0) -> Iterator[str]:
-    """Yield the base URL while the server runs; ``delay`` starts it late (to test retries)."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=port or free_port(), log_level="warning", lifespan="on")
-    with _running(uvicorn.Server(config), delay=delay) as url:
+def dead_url() -> Iterator[str]:
+    """A URL on 127.0.0.1 where nothing answers (connections are refused), held for the ``with`` block."""
+    with bound_socket() as sock:
+        yield f"http://127.0.0.1:{port_of(sock)}"
+
+
+@contextmanager
+def serving(app: FastAPI, sock: socket.socket | None = None, *, delay: float = 0.0) -> Iterator[str]:
+    """Yield the base URL while the server runs on ``sock`` (by default a new :func:`bound_socket`); ``delay``
+    starts it late (to test retries: until then, connections are refused)."""
+    sock = sock or bound_socket()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port_of(sock), log_level="warning", lifespan="on")
+    with _running(uvicorn.Server(config), sock, delay=delay) as url:
         yield url
 
 
@@ -28,16 +50,40 @@ def serving(app: FastAPI, port: int | None = None, *, delay: float = 0.0) -> Ite
 def serving_guarded(app: FastAPI, **limits: Any) -> Iterator[str]:
     """Like :func:`serving`, on the server ``privlm serve`` and ``privlm gateway`` run
     (:func:`privlm.service.serving.service_config`: header timeout, cap on connections); ``limits`` go to it."""
-    with _running(uvicorn.Server(service_config(app, host="127.0.0.1", port=free_port(), **limits))) as url:
+    sock = bound_socket()
+    with _running(uvicorn.Server(service_config(app, host="127.0.0.1", port=port_of(sock), **limits)), sock) as url:
         yield url
 
 
+def start_privlm_on_free_port(args: Callable[[int], list[str]], *, attempts: int = 3, **options: Any
+                              ) -> tuple[subprocess.Popen[bytes], int]:
+    """``start_privlm(args(port), its /health)`` on a port picked now. A process cannot be handed a bound socket, so
+    the port is picked again when the start failed and the port is taken: another test worker bound it first."""
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            return start_privlm(args(port), f"http://127.0.0.1:{port}/health", **options), port
+        except RuntimeError:
+            if attempt == attempts - 1 or not _taken(port):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 @contextmanager
-def _running(server: uvicorn.Server, *, delay: float = 0.0) -> Iterator[str]:
-    """Run ``server`` in a background thread (after ``delay`` s); wait until it is up unless delayed."""
+def _running(server: uvicorn.Server, sock: socket.socket, *, delay: float = 0.0) -> Iterator[str]:
+    """Run ``server`` on ``sock`` in a background thread (after ``delay`` s); wait until it is up unless delayed."""
     def run() -> None:
         time.sleep(delay)
-        server.run()
+        server.run(sockets=[sock])
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -46,10 +92,11 @@ def _running(server: uvicorn.Server, *, delay: float = 0.0) -> Iterator[str]:
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{server.config.port}"
+        yield f"http://127.0.0.1:{port_of(sock)}"
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+        sock.close()
 
 
 class RecordingProxy:

@@ -31,8 +31,8 @@ from privlm.service.auth import (
     load_keys,
     read_key_file,
 )
-from privlm.service.process import free_port, start_privlm, stop
-from tests.service.localhost import serving
+from privlm.service.process import stop
+from tests.service.localhost import serving, start_privlm_on_free_port
 
 ROOT = Path(__file__).parents[2]
 runner = CliRunner()
@@ -64,13 +64,12 @@ def served(tmp_path_factory):
     folder = tiny_bert_folder(tmp_path_factory.mktemp("tiny"))
     key_file = _key_file(tmp_path_factory.mktemp("keys"),
                          "# accepted keys\n\n" + "\n".join(FILE_KEYS) + "\n  # not-a-key\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {name: value for name, value in os.environ.items() if name not in KEY_ENV_VARS}
-    process = start_privlm(["serve", "--model", str(folder), "--port", str(port), "--device", "cpu",
-                            "--api-key-file", str(key_file), "--api-key", CLI_KEY], f"{url}/health",
-                           env={**env, API_KEYS_ENV: "\n" + ",".join(ENV_KEYS) + "\n"})
-    yield url, process
+    process, port = start_privlm_on_free_port(
+        lambda port: ["serve", "--model", str(folder), "--port", str(port), "--device", "cpu",
+                      "--api-key-file", str(key_file), "--api-key", CLI_KEY],
+        env={**env, API_KEYS_ENV: "\n" + ",".join(ENV_KEYS) + "\n"})
+    yield f"http://127.0.0.1:{port}", process
     stop(process)
 
 
@@ -100,7 +99,7 @@ def test_finding_5_keys_from_a_file_or_the_environment_stay_out_of_the_process_l
 
 
 def _refusal(args: list[str], env: dict[str, str] | None = None) -> str:
-    result = runner.invoke(app, args, env=env)
+    result = runner.invoke(app, args, env={"COLUMNS": "1000", **(env or {})})  # no path cut by a line break
     assert result.exit_code == 2, result.output  # a usage error (click), before any model is loaded
     assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
     return " ".join(result.output.replace("│", " ").split())

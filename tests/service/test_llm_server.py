@@ -22,8 +22,8 @@ HELLO = [{"role": "user", "content": "Name three colours."}]
 class WatchedModel(ChatModel):
     """SmolLM2 with no end-of-sequence token (it talks until max_tokens), recording what its generations do."""
 
-    def __init__(self, chat: ChatModel) -> None:
-        super().__init__(chat.language_model)
+    def __init__(self, chat_model: ChatModel) -> None:
+        super().__init__(chat_model.language_model)
         self.eos_ids = frozenset()
         self.pieces, self.active, self.most_active, self.finished = 0, 0, 0, 0
         self.lock = threading.Lock()
@@ -50,13 +50,8 @@ class WatchedModel(ChatModel):
 
 
 @pytest.fixture(scope="module")
-def chat() -> ChatModel:
-    return ChatModel.from_pretrained("smollm2", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def url(chat: ChatModel) -> Iterator[str]:
-    with serving(create_llm_app(chat, api_keys=[KEY], max_tokens_cap=64)) as base:
+def url(chat_model: ChatModel) -> Iterator[str]:
+    with serving(create_llm_app(chat_model, api_keys=[KEY], max_tokens_cap=64)) as base:
         yield base
 
 
@@ -66,8 +61,8 @@ def client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def greedy(client: openai.OpenAI, chat: ChatModel) -> openai.types.chat.ChatCompletion:
-    return client.chat.completions.create(model=chat.name, messages=HELLO, temperature=0, max_tokens=24)
+def greedy(client: openai.OpenAI, chat_model: ChatModel) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=chat_model.name, messages=HELLO, temperature=0, max_tokens=24)
 
 
 def stream_text(client: openai.OpenAI, **request: object) -> tuple[str, list[object]]:
@@ -76,16 +71,16 @@ def stream_text(client: openai.OpenAI, **request: object) -> tuple[str, list[obj
     return text, chunks
 
 
-def test_models_lists_the_one_model(client: openai.OpenAI, chat: ChatModel) -> None:
-    assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"] == [chat.name]
+def test_models_lists_the_one_model(client: openai.OpenAI, chat_model: ChatModel) -> None:
+    assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"] == [chat_model.name]
 
 
-def test_non_streaming_answer(greedy: openai.types.chat.ChatCompletion, chat: ChatModel) -> None:
+def test_non_streaming_answer(greedy: openai.types.chat.ChatCompletion, chat_model: ChatModel) -> None:
     choice = greedy.choices[0]
-    assert greedy.object == "chat.completion" and greedy.model == chat.name
+    assert greedy.object == "chat.completion" and greedy.model == chat_model.name
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
-    expected = chat.generate(HELLO, max_tokens=24, temperature=0)
+    expected = chat_model.generate(HELLO, max_tokens=24, temperature=0)
     assert choice.message.content == expected.text  # the server is the model, nothing added
     usage = greedy.usage
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
@@ -93,9 +88,9 @@ def test_non_streaming_answer(greedy: openai.types.chat.ChatCompletion, chat: Ch
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_streaming_matches_non_streaming_greedy(client: openai.OpenAI, chat: ChatModel,
+def test_streaming_matches_non_streaming_greedy(client: openai.OpenAI, chat_model: ChatModel,
                                                 greedy: openai.types.chat.ChatCompletion) -> None:
-    text, chunks = stream_text(client, model=chat.name, messages=HELLO, temperature=0, max_tokens=24,
+    text, chunks = stream_text(client, model=chat_model.name, messages=HELLO, temperature=0, max_tokens=24,
                                stream_options={"include_usage": True})
     assert text == greedy.choices[0].message.content
     first, *middle, last, usage = chunks
@@ -106,8 +101,8 @@ def test_streaming_matches_non_streaming_greedy(client: openai.OpenAI, chat: Cha
     assert usage.choices == [] and usage.usage == greedy.usage  # type: ignore[attr-defined]
 
 
-def test_streaming_without_usage_ends_with_done(url: str, chat: ChatModel) -> None:
-    body = {"model": chat.name, "messages": HELLO, "temperature": 0, "max_tokens": 5, "stream": True}
+def test_streaming_without_usage_ends_with_done(url: str, chat_model: ChatModel) -> None:
+    body = {"model": chat_model.name, "messages": HELLO, "temperature": 0, "max_tokens": 5, "stream": True}
     response = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"},
                           timeout=120)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
@@ -119,47 +114,50 @@ def test_streaming_without_usage_ends_with_done(url: str, chat: ChatModel) -> No
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-def test_max_tokens_is_respected(client: openai.OpenAI, chat: ChatModel, field: str) -> None:
-    answer = client.chat.completions.create(model=chat.name, messages=HELLO, temperature=0,
+def test_max_tokens_is_respected(client: openai.OpenAI, chat_model: ChatModel, field: str) -> None:
+    answer = client.chat.completions.create(model=chat_model.name, messages=HELLO, temperature=0,
                                             **{field: 4})  # type: ignore[call-overload]
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
 
 
-def test_stop_is_respected(client: openai.OpenAI, chat: ChatModel, greedy: openai.types.chat.ChatCompletion) -> None:
+def test_stop_is_respected(client: openai.OpenAI, chat_model: ChatModel,
+                           greedy: openai.types.chat.ChatCompletion) -> None:
     full = greedy.choices[0].message.content
     assert full is not None
     stop = full.split()[3]  # a word from the middle of the answer
-    answer = client.chat.completions.create(model=chat.name, messages=HELLO, temperature=0, max_tokens=24, stop=stop)
+    answer = client.chat.completions.create(model=chat_model.name, messages=HELLO, temperature=0, max_tokens=24,
+                                            stop=stop)
     text = answer.choices[0].message.content
     assert text == full[:full.index(stop)] and stop not in text
     assert answer.choices[0].finish_reason == "stop"
-    streamed, chunks = stream_text(client, model=chat.name, messages=HELLO, temperature=0, max_tokens=24,
+    streamed, chunks = stream_text(client, model=chat_model.name, messages=HELLO, temperature=0, max_tokens=24,
                                    stop=[stop, "zzz"])
     assert streamed == text and chunks[-1].choices[0].finish_reason == "stop"  # type: ignore[attr-defined]
 
 
-def test_seed_gives_the_same_sampled_answer(client: openai.OpenAI, chat: ChatModel) -> None:
+def test_seed_gives_the_same_sampled_answer(client: openai.OpenAI, chat_model: ChatModel) -> None:
     def sampled(seed: int) -> str | None:
-        answer = client.chat.completions.create(model=chat.name, messages=HELLO, temperature=1.0, max_tokens=24,
+        answer = client.chat.completions.create(model=chat_model.name, messages=HELLO, temperature=1.0, max_tokens=24,
                                                 seed=seed)
         return answer.choices[0].message.content
 
     first = sampled(11)
     assert sampled(11) == first
-    assert stream_text(client, model=chat.name, messages=HELLO, temperature=1.0, max_tokens=24, seed=11)[0] == first
+    streamed = stream_text(client, model=chat_model.name, messages=HELLO, temperature=1.0, max_tokens=24, seed=11)
+    assert streamed[0] == first
     assert sampled(12) != first  # the seed is used
     assert sampled(-1) == sampled(-1)  # any int64 is a seed
 
 
-def test_roles_and_text_parts(client: openai.OpenAI, chat: ChatModel) -> None:
+def test_roles_and_text_parts(client: openai.OpenAI, chat_model: ChatModel) -> None:
     parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]
     messages = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": parts},
                 {"role": "assistant", "content": "Red, green"}, {"role": "user", "content": "And one more?"}]
-    answer = client.chat.completions.create(model=chat.name, messages=messages, temperature=0, max_tokens=8)
+    answer = client.chat.completions.create(model=chat_model.name, messages=messages, temperature=0, max_tokens=8)
     assert answer.choices[0].message.content
     as_model = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three\ncolours."},
                 {"role": "assistant", "content": "Red, green"}, {"role": "user", "content": "And one more?"}]
-    assert answer.usage.prompt_tokens == len(chat.prompt_ids(as_model))
+    assert answer.usage.prompt_tokens == len(chat_model.prompt_ids(as_model))
 
 
 @pytest.mark.parametrize(("change", "status", "param", "code"), [
@@ -183,9 +181,9 @@ def test_roles_and_text_parts(client: openai.OpenAI, chat: ChatModel) -> None:
     ({"messages": [{"role": "user", "content": 42}]}, 400, "messages.0.content", None),
     ({"messages": []}, 400, "messages", None),
 ])
-def test_bad_requests_get_openai_errors(client: openai.OpenAI, chat: ChatModel, change: dict[str, object],
+def test_bad_requests_get_openai_errors(client: openai.OpenAI, chat_model: ChatModel, change: dict[str, object],
                                         status: int, param: str, code: str | None) -> None:
-    request = {"model": chat.name, "messages": HELLO, "max_tokens": 4} | change
+    request = {"model": chat_model.name, "messages": HELLO, "max_tokens": 4} | change
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(**request)  # type: ignore[call-overload]
     error = caught.value
@@ -196,23 +194,23 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI, chat: ChatModel, 
         assert error.body["code"] == code
 
 
-def test_context_error_names_the_count_and_limit(client: openai.OpenAI, chat: ChatModel) -> None:
+def test_context_error_names_the_count_and_limit(client: openai.OpenAI, chat_model: ChatModel) -> None:
     messages = [{"role": "user", "content": "word " * 9000}]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=chat.name, messages=messages, max_tokens=10, stream=True)
-    count = len(chat.prompt_ids(messages))
-    assert f"{count} tokens" in caught.value.message and str(chat.context_length - 10) in caught.value.message
+        client.chat.completions.create(model=chat_model.name, messages=messages, max_tokens=10, stream=True)
+    count = len(chat_model.prompt_ids(messages))
+    assert f"{count} tokens" in caught.value.message and str(chat_model.context_length - 10) in caught.value.message
 
 
-def test_a_key_is_required(url: str, chat: ChatModel) -> None:
+def test_a_key_is_required(url: str, chat_model: ChatModel) -> None:
     anonymous = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        anonymous.chat.completions.create(model=chat.name, messages=HELLO, max_tokens=2)
+        anonymous.chat.completions.create(model=chat_model.name, messages=HELLO, max_tokens=2)
 
 
 @pytest.fixture(scope="module")
-def watched(chat: ChatModel) -> WatchedModel:
-    return WatchedModel(chat)
+def watched(chat_model: ChatModel) -> WatchedModel:
+    return WatchedModel(chat_model)
 
 
 @pytest.fixture(scope="module")

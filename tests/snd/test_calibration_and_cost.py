@@ -18,18 +18,18 @@ def test_interpolation_is_log_eta_linear_in_logit_rate():
     assert math.isnan(_interpolate(grid, 0.9))  # not bracketed: reported, not extrapolated
 
 
-def test_inversion_rate_grows_with_eta(tiny):
-    tokens = sample_text_tokens(tiny, TEXTS * 20, n_tokens=300, seed=0)
-    assert not torch.isin(tokens, torch.tensor(tiny.tokenizer.all_special_ids)).any()
-    calibration = calibrate_eta(tiny, tokens, etas=[1.0, 30.0, 1000.0, 1e5], targets=(0.5,), seed=0)
+def test_inversion_rate_grows_with_eta(tiny_bert):
+    tokens = sample_text_tokens(tiny_bert, TEXTS * 20, n_tokens=300, seed=0)
+    assert not torch.isin(tokens, torch.tensor(tiny_bert.tokenizer.all_special_ids)).any()
+    calibration = calibrate_eta(tiny_bert, tokens, etas=[1.0, 30.0, 1000.0, 1e5], targets=(0.5,), seed=0)
     rates = [g["rate"] for g in calibration.grid]
     assert rates == sorted(rates) and rates[0] < 0.2 and rates[-1] == 1.0
     assert 30.0 <= calibration.targets[0.5] <= 1e5 or math.isnan(calibration.targets[0.5])
 
 
-def test_too_few_tokens_is_an_error(tiny):
+def test_too_few_tokens_is_an_error(tiny_bert):
     with pytest.raises(ValueError, match="n_tokens"):
-        sample_text_tokens(tiny, ["a dog"], n_tokens=10, seed=0)
+        sample_text_tokens(tiny_bert, ["a dog"], n_tokens=10, seed=0)
 
 
 def test_wire_bytes_arithmetic():

@@ -1,6 +1,6 @@
 """Privacy accounting: a persistent ledger of what each principal has spent."""
 
-from privlm.accounting.ledger import BudgetExhaustedError, KeyMigration, Ledger, Receipt
+from privlm.accounting.ledger import BudgetExhaustedError, KeyMigration, Ledger, Receipt, charge
 from privlm.accounting.principals import PrincipalHasher, SecretFileError
 
-__all__ = ["BudgetExhaustedError", "KeyMigration", "Ledger", "PrincipalHasher", "Receipt", "SecretFileError"]
+__all__ = ["BudgetExhaustedError", "KeyMigration", "Ledger", "PrincipalHasher", "Receipt", "SecretFileError", "charge"]

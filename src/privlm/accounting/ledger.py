@@ -247,3 +247,11 @@ class Ledger:
                 db.execute("ROLLBACK")
                 raise
         return receipts
+
+
+def charge(ledger: Ledger | None, principal: str, spends: Sequence[Spend], *, note: str) -> list[Receipt]:
+    """Charge a release's ``spends`` to ``principal`` before anything is drawn: all in one transaction, or none
+    (:class:`BudgetExhaustedError`). Zero spends are not recorded; without a ledger nothing is, and no receipt
+    comes back. A function rather than a method, so that a system without a ledger calls it the same way."""
+    priced = [spend for spend in spends if spend.amount != 0]  # a bad amount still reaches spend_all's check
+    return ledger.spend_all(principal, priced, note=note) if ledger is not None and priced else []

@@ -2,6 +2,7 @@
 token-level baselines of Cape (SANTEXT, SANTEXT+, CUSTEXT, CUSTEXT+, InferDPT, token-level Text2Text), all on
 the shared report of :mod:`privlm.models.perturbation`."""
 
+from privlm.baselines import registration  # noqa: F401 (it registers the token-level baselines by name)
 from privlm.baselines.custext import Custext, CustextMechanism, CustextPlus
 from privlm.baselines.frequency import least_frequent, token_frequencies
 from privlm.baselines.inferdpt import InferDPT, InferDPTMechanism

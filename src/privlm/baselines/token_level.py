@@ -17,7 +17,7 @@ from typing import Any, Self
 import torch
 
 from privlm.accounting import Ledger
-from privlm.mechanisms import PrivacyUnit, Spend, make_generator
+from privlm.mechanisms import PrivacyUnit, make_generator
 from privlm.models import check_texts
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
@@ -25,6 +25,7 @@ from privlm.models.perturbation import (
     PerturbedPrompt,
     PromptReport,
     TokenOutcome,
+    charge_prompts,
     released_text,
     token_records,
 )
@@ -91,8 +92,8 @@ class TokenLevelBaseline(ABC):
         # The charge depends only on which tokens may go through the mechanism (a public, fixed rule),
         # never on a draw: a mechanism's own coins (SANTEXT+'s keep-or-resample) come after it.
         accountings = [self.accounting(len(self._chargeable(prompt))) for prompt in prompts]
-        spent = self._charge([a["privlm"] if self._chargeable(p) else 0.0 for a, p in zip(accountings, prompts,
-                                                                                          strict=True)])
+        totals = [a["privlm"] if self._chargeable(p) else 0.0 for a, p in zip(accountings, prompts, strict=True)]
+        spent = charge_prompts(self.ledger, self.principal, self.unit, totals, note=self.name)
         return [self._perturb_one(prompt, accounting, charged)
                 for prompt, accounting, charged in zip(prompts, accountings, spent, strict=True)]
 
@@ -100,13 +101,6 @@ class TokenLevelBaseline(ABC):
         """Positions that may go through the mechanism: every one the non-sensitive list does not keep."""
         listed = TokenLevelBaseline.outcomes(self, prompt)
         return [i for i, outcome in enumerate(listed) if outcome is not TokenOutcome.NON_SENSITIVE]
-
-    def _charge(self, totals: list[float]) -> list[float | None]:
-        """Charge every prompt's total in one ledger transaction: all, or none (BudgetExhaustedError)."""
-        if self.ledger is None:
-            return [None] * len(totals)
-        self.ledger.spend_all(self.principal, [Spend(self.unit, t) for t in totals if t > 0], note=self.name)
-        return [total if total > 0 else None for total in totals]
 
     def _perturb_one(self, prompt: PromptTokens, accounting: dict[str, float], spent: float | None) -> PerturbedPrompt:
         outcomes = self.outcomes(prompt)

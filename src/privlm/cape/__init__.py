@@ -4,6 +4,7 @@
 for privlm's definition of the utility and :mod:`privlm.cape.accounting` for the guarantee.
 """
 
+from privlm.cape import registration  # noqa: F401 (it registers cape, cape-distance and cape-unbucketed by name)
 from privlm.cape.accounting import GUARANTEE, PairBound
 from privlm.cape.calibration import LogitBound
 from privlm.cape.config import CapeConfig

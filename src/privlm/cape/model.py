@@ -50,7 +50,6 @@ from privlm.cape.utility import (
 from privlm.mechanisms import (
     ExponentialMechanism,
     PrivacyUnit,
-    Spend,
     bucketized_pair_bound,
     exact_privacy_loss,
 )
@@ -62,6 +61,7 @@ from privlm.models.perturbation import (
     PerturbedPrompt,
     PromptReport,
     TokenOutcome,
+    charge_prompts,
     released_text,
     token_records,
 )
@@ -98,6 +98,7 @@ class Cape:
     """
 
     name = "cape"
+    unit = PrivacyUnit.EPSILON  # what its ledger charges count: the sound per-prompt total of privlm.cape.accounting
 
     def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, lambda_L: float = 0.5,
                  lambda_D: float = 1.0, n_buckets: int | None = 50, logit_bound: float | LogitBound | None = None,
@@ -245,7 +246,7 @@ class Cape:
         self._check_prepared(prepared)
         generator = self.generator if generator is None else resolve_generator(generator, self.vocabulary.device)
         totals = [privlm_total(mechanism, p.utilities) for p in prepared]
-        spent = self._charge(totals)
+        spent = charge_prompts(self.ledger, self.principal, self.unit, totals, note=self.name)
         return [self._release_one(p, mechanism, generator, total, charged)
                 for p, total, charged in zip(prepared, totals, spent, strict=True)]
 
@@ -263,13 +264,6 @@ class Cape:
             if p.utilities.numel() and (p.utilities.amin().item() < 0
                                         or p.utilities.amax().item() > self.config.sensitivity):
                 raise ValueError(f"prepared[{i}] holds utilities outside [0, {self.config.sensitivity:g}]")
-
-    def _charge(self, totals: list[float]) -> list[float | None]:
-        """Charge every prompt's total in one ledger transaction: all, or none (BudgetExhaustedError)."""
-        if self.ledger is None:
-            return [None] * len(totals)
-        self.ledger.spend_all(self.principal, [Spend(PrivacyUnit.EPSILON, t) for t in totals if t > 0], note=self.name)
-        return [total if total > 0 else None for total in totals]
 
     def _draw(self, mechanism: CapeMechanism, utility: torch.Tensor,
               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int | None]]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from privlm.cli.app import app, bench_app, console, parse_levels, parse_list
+
+if TYPE_CHECKING:
+    from privlm.models.text_mechanisms import TextMechanism
 
 
 @bench_app.command("cape")
@@ -46,10 +49,10 @@ def bench_cape(
     from privlm.eval.registry import sweep_entry
     from privlm.eval.sweeps.cape import CapeBench, CapeSetting, cape_sweep
     from privlm.eval.sweeps.cape_speed import measure_speed, write_speed
-    from privlm.eval.text_mechanisms import MECHANISM_NAMES, text_mechanisms
+    from privlm.models.text_mechanisms import text_mechanisms
 
     try:
-        names = tuple(m.name for m in text_mechanisms(parse_list(mechanisms))) if mechanisms else MECHANISM_NAMES
+        names = tuple(m.name for m in text_mechanisms(parse_list(mechanisms) if mechanisms else None))
         setting = CapeSetting(mechanisms=names, epsilons=tuple(parse_levels(epsilons)), n_train=n_train,
                               n_validation=n_validation, n_test=n_test, zero_shot_texts=zero_shot_texts,
                               mti_sentences=mti_sentences, nw_tokens=nw_tokens,
@@ -69,6 +72,13 @@ def bench_cape(
     extra = sweep_entry("cape").extra_reports(out)
     console.print((out / "claims.md").read_text())
     console.print(f"Wrote {', '.join(str(f) for f in [*report.files, *extra])}")
+
+
+def require_logit_bound(mechanism: TextMechanism, logit_bound: Path | None) -> None:
+    """Refuse, before any model loads, a mechanism that reads Cape's B when no --logit-bound is given."""
+    if mechanism.needs_logit_bound and logit_bound is None:
+        raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public sample "
+                         "prompts and pass --logit-bound logit_bound.json")
 
 
 cape_app = typer.Typer(help="Cape: perturb a prompt on this machine before it goes to a chat API.",
@@ -123,20 +133,20 @@ def cape_perturb(
     """Print the perturbed prompt (what to send) and, by default, what happened to every token."""
     from rich.table import Table
 
+    import privlm.baselines
+    import privlm.cape  # noqa: F401 (Cape's variants register by name)
     from privlm._validation import check_positive_finite
     from privlm.cape import LogitBound
-    from privlm.eval.text_mechanisms import MechanismContext, build_mechanism, text_mechanism
     from privlm.mechanisms import make_generator
     from privlm.models.language import LanguageModel
+    from privlm.models.text_mechanisms import MechanismContext, build_mechanism, text_mechanism
 
     if text == "-":
         text = sys.stdin.read().rstrip("\n")
     try:
         chosen = text_mechanism(mechanism)  # bad input fails before any model loads
         check_positive_finite("epsilon", epsilon)
-        if chosen.family == "cape" and chosen.options.get("lambda_L", 0.5) and logit_bound is None:
-            raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public "
-                             "sample prompts and pass --logit-bound logit_bound.json")
+        require_logit_bound(chosen, logit_bound)
         bound = LogitBound.load(logit_bound) if logit_bound is not None else None
         model = LanguageModel.from_pretrained(device_model, device=device)
         context = MechanismContext(device_model=model, logit_bound=bound)

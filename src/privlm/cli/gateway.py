@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -25,8 +24,14 @@ if TYPE_CHECKING:
 
 
 def _positive(value: float | None, flag: str) -> None:
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise typer.BadParameter(f"must be finite and > 0, got {value}", param_hint=flag)
+    from privlm._validation import check_positive_finite
+
+    if value is None:
+        return
+    try:
+        check_positive_finite(flag, value)
+    except ValueError:
+        raise typer.BadParameter(f"must be finite and > 0, got {value}", param_hint=flag) from None
 
 
 @app.command()
@@ -169,13 +174,16 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
                 ledger: Path | None,
                 guardrail: bool, guardrail_charge: str, audit_log: Path | None, max_prompt_tokens: int,
                 upstream_limits: tuple[float, float, int], device: str, shared: bool) -> ChatSetup:
+    import privlm.baselines
+    import privlm.cape  # noqa: F401 (Cape's variants register by name)
     from privlm.cape import LogitBound
     from privlm.cape.service.chat import ChatOptions
     from privlm.cape.service.messages import MESSAGE_NAMES
-    from privlm.eval.text_mechanisms import text_mechanism
+    from privlm.cli.cape import require_logit_bound
     from privlm.gateway import ChatSetup, mechanism_privacy
     from privlm.models.language import LanguageModel
     from privlm.models.sources import cache_dir
+    from privlm.models.text_mechanisms import text_mechanism
     from privlm.service.audit import AuditLog
     from privlm.service.upstream import ChatUpstream
 
@@ -199,15 +207,14 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
         raise typer.BadParameter("a ledger needs a budget", param_hint="--chat-budget")
     try:
         chosen = text_mechanism(mechanism)
-        if chosen.family == "cape" and chosen.options.get("lambda_L", 0.5) and logit_bound is None:
-            raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public sample "
-                             "prompts and pass --logit-bound logit_bound.json")
+        require_logit_bound(chosen, logit_bound)
         bound = LogitBound.load(logit_bound) if logit_bound is not None else None
         upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, deadline=deadline,
                                 idle_timeout=idle_timeout, max_answer_bytes=max_answer_bytes)
         audit = AuditLog(audit_log) if audit_log is not None else None
         model = LanguageModel.from_pretrained(device_model, device=device)
-        path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{_unit_of(chosen.name)}.sqlite"
+        # One default ledger per unit: switching between mechanisms of one unit keeps every key's spend.
+        path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{chosen.unit}.sqlite"
         privacy = mechanism_privacy(chosen.name, model, epsilon=epsilon, logit_bound=bound, budget=budget,
                                     ledger_path=path, max_prompt_tokens=max_prompt_tokens)
     except OSError as error:  # a --logit-bound, --chat-ledger or --audit-log that cannot be read or written
@@ -242,8 +249,3 @@ async def _upstream_models(url: str, key_env: str) -> list[str]:
     finally:
         await probe.aclose()
 
-
-def _unit_of(mechanism: str) -> str:
-    """The ledger unit of a mechanism, by name: one default ledger per unit, so switching between mechanisms of one
-    unit keeps every key's spend (eta-tokens for the metric-DP baselines, epsilon for the others)."""
-    return "eta-token" if mechanism in ("santext", "santext+", "text2text") else "epsilon"

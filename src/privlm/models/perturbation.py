@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from privlm.accounting import Ledger, charge
+from privlm.mechanisms import PrivacyUnit, Spend
 from privlm.models.prompts import PromptTokens
 from privlm.models.vocabulary import CandidateVocabulary
 
@@ -93,9 +95,11 @@ class PerturbedPrompt:
 
 @runtime_checkable
 class TextPerturber(Protocol):
-    """A token-level text mechanism: ``perturb`` one prompt, ``perturb_batch`` many (same order)."""
+    """A token-level text mechanism: ``perturb`` one prompt, ``perturb_batch`` many (same order). ``unit``: what
+    its ledger charges count (each report's ``accounting`` is its own price of the release, in that unit)."""
 
     name: str
+    unit: PrivacyUnit
 
     @property
     def vocabulary(self) -> CandidateVocabulary: ...
@@ -103,6 +107,14 @@ class TextPerturber(Protocol):
     def perturb(self, text: str) -> PerturbedPrompt: ...
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]: ...
+
+
+def charge_prompts(ledger: Ledger | None, principal: str, unit: PrivacyUnit, totals: Sequence[float], *,
+                   note: str) -> list[float | None]:
+    """Charge every prompt's total (its report's "privlm" accounting) in one ledger transaction, before anything is
+    drawn: all, or none (BudgetExhaustedError). Per prompt, what its report's ``spent`` says (None: nothing)."""
+    charged = bool(charge(ledger, principal, [Spend(unit, total) for total in totals], note=note))
+    return [total if charged and total > 0 else None for total in totals]
 
 
 NOTHING_SPENT = "every token is non-sensitive: nothing was perturbed and nothing was spent"

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from privlm.accounting import Ledger
-from privlm.mechanisms import PrivacyUnit, Spend, make_generator
+from privlm.accounting import Ledger, charge
+from privlm.mechanisms import PrivacyUnit, make_generator
 from privlm.models import check_texts
 from privlm.models.partition import BottomModel, make_head
 from privlm.sap.config import SapConfig
@@ -198,10 +198,6 @@ class Customer:
         return self.cti
 
     # --- releases -------------------------------------------------------------------------------------------
-    def _charge(self, spend: Spend, note: str) -> None:
-        if self.ledger is not None and spend.amount > 0:
-            self.ledger.spend(self.principal, spend, note=note)
-
     def release(self, ids: Sequence[Sequence[int]], example_ids: Sequence[int], *, note: str,
                 keep_graph: bool = False, sent: Release | None = None
                 ) -> tuple[PrivatizedBatch, torch.Tensor | None, Release]:
@@ -210,7 +206,7 @@ class Customer:
         already made (and charged): it is resent as it was, with no new noise and no new charge."""
         input_ids, mask = pad_ids(ids, self.tokenizer.pad_token_id or 0, self.device)
         if sent is None:
-            self._charge(self.privatizer.spend_of(input_ids, mask), note)
+            charge(self.ledger, self.principal, [self.privatizer.spend_of(input_ids, mask)], note=note)
         with torch.set_grad_enabled(keep_graph):
             cut = self.bottom(input_ids, mask)
         if sent is not None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from privlm._validation import check_choice, check_positive_int
-from privlm.accounting import Ledger, Receipt
+from privlm.accounting import Ledger, Receipt, charge
 from privlm.mechanisms import NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
 from privlm.models.batching import length_sorted_batches
@@ -217,8 +217,9 @@ class SnDEncoder:
         lengths = [min(n, self.model.max_length) for n in tokens.counts]
         report = EncodeReport(texts=len(tokens), tokens=sum(lengths), truncated=len(long), truncated_indices=long,
                               unknown_indices=unknown, contentless_indices=contentless)
-        if self.ledger is not None and self.needs_server:
-            report.receipt = self.ledger.spend(principal, self.privatizer.spend(lengths), note="snd encode")
+        if self.needs_server:
+            report.receipt = next(iter(charge(self.ledger, principal, [self.privatizer.spend(lengths)],
+                                              note="snd encode")), None)
         batches = list(length_sorted_batches(tokens.texts, batch_size or self.batch_size))
         generator = self.privatizer.generator or make_generator(device=self.model.device)
         return EncodeCall(tokens=tokens, batches=batches, generator=generator, report=report)

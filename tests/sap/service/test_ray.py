@@ -8,22 +8,25 @@ import pytest
 import torch
 
 from privlm.sap import Client, SapConfig, connect, fine_tune, split_pretrained
-from privlm.service.process import free_port, start_privlm, stop
+from privlm.service.process import start_privlm, stop
 from tests.sap.conftest import LABELS, TEXTS
 from tests.sap.service.conftest import KEYS
+from tests.service.localhost import start_privlm_on_free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one local Ray cluster at a time
 VALIDATION, VALIDATION_LABELS = TEXTS[:4], LABELS[:4]
 
 
 def test_replicas_share_the_sessions_and_a_restart_loses_none(vendor_model, tmp_path):
     """Training runs through two replicas; the whole deployment is stopped mid-epoch and started again on the same
     store. The client resumes, and the adapter is the one of an uninterrupted run in one process."""
-    port = free_port()
-    args = ["sap", "vendor", "--ray", "--replicas", "2", "--replica-cpus", "0.5", "--model", str(vendor_model),
-            "--store", str(tmp_path / "store"), "--port", str(port), "--api-key", KEYS[0]]
-    health = f"http://127.0.0.1:{port}/health"
-    processes = [start_privlm(args, health, timeout=300)]
+    def vendor(port: int) -> list[str]:
+        return ["sap", "vendor", "--ray", "--replicas", "2", "--replica-cpus", "0.5", "--model", str(vendor_model),
+                "--store", str(tmp_path / "store"), "--port", str(port), "--api-key", KEYS[0]]
+
+    first, port = start_privlm_on_free_port(vendor, timeout=300)
+    args, health = vendor(port), f"http://127.0.0.1:{port}/health"
+    processes = [first]
     restarts: list[threading.Thread] = []
     config = SapConfig(blocks=0, eta=50.0, head="customer", epochs=2, batch_size=2, noise_seed=3)
     try:

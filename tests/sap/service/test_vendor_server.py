@@ -28,10 +28,10 @@ from privlm.sap import (
 from privlm.sap.service.client import Client
 from privlm.sap.service.routes import SESSIONS_PATH
 from privlm.sap.service.server import create_vendor_app
-from privlm.service.process import free_port, start_privlm, stop
+from privlm.service.process import start_privlm, stop
 from tests.sap.conftest import LABELS, TEXTS
 from tests.sap.service.conftest import KEYS
-from tests.service.localhost import serving
+from tests.service.localhost import serving, start_privlm_on_free_port
 
 VALIDATION, VALIDATION_LABELS = TEXTS[:4], LABELS[:4]
 
@@ -232,11 +232,13 @@ def test_the_store_holds_safetensors_and_json_only(vendor_model, tmp_path):
 def test_killing_the_vendor_process_mid_epoch(vendor_model, tmp_path):
     """The vendor's process is killed (SIGKILL) mid-epoch and started again on the same store and port; the
     customer rides it out (retries with back-off), resumes, and ends with the adapter of an uninterrupted run."""
-    port = free_port()
-    args = ["sap", "vendor", "--model", str(vendor_model), "--store", str(tmp_path / "store"), "--port", str(port),
-            "--checkpoint-every", "3", "--device", "cpu", "--api-key", KEYS[0]]
-    health = f"http://127.0.0.1:{port}/health"
-    processes = [start_privlm(args, health)]
+    def vendor(port: int) -> list[str]:
+        return ["sap", "vendor", "--model", str(vendor_model), "--store", str(tmp_path / "store"), "--port", str(port),
+                "--checkpoint-every", "3", "--device", "cpu", "--api-key", KEYS[0]]
+
+    first, port = start_privlm_on_free_port(vendor)
+    args, health = vendor(port), f"http://127.0.0.1:{port}/health"
+    processes = [first]
     restarts: list[threading.Timer] = []
     config = _config(epochs=2)
     try:

@@ -25,7 +25,7 @@ from privlm.sap.service.server import create_vendor_app
 from privlm.sap.training import Schedule
 from tests.sap.service.conftest import KEYS
 from tests.service.leaks import id_patterns
-from tests.service.localhost import RecordingProxy, free_port, serving
+from tests.service.localhost import RecordingProxy, serving
 
 SECRETS = [
     "Johanna Kowalczyk flew to Rotterdam and her luggage vanished", "Marek Nowicki adored the Lisbon crew",
@@ -63,11 +63,10 @@ def _requests(stream: bytes) -> list[tuple[str, bytes]]:
 
 
 def _run(vendor_model, tmp_path, head: str) -> tuple[RecordingProxy, Client]:  # type: ignore[no-untyped-def]
-    port = free_port()
     config = SapConfig(blocks=0, eta=50.0, head=head, epochs=1, batch_size=4)  # type: ignore[arg-type]
     app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
-    with serving(app, port=port):
-        proxy = RecordingProxy(port)
+    with serving(app) as served:
+        proxy = RecordingProxy(httpx.URL(served).port)
         client = Client(f"http://127.0.0.1:{proxy.port}", config=config, n_classes=2, api_key=KEYS[0],
                         cache_dir=tmp_path / "cache")
         proxy.clear()  # the bundle (the tokenizer's vocabulary) went vendor -> customer before any user text existed
@@ -129,10 +128,9 @@ def test_with_the_head_at_the_vendor_the_captured_gradients_name_every_label(ven
 
 def test_the_detector_fires_on_a_leaky_client(vendor_model, tmp_path):
     """Negative control: a client that sends the text, its token ids and the labels is caught by every check."""
-    port = free_port()
     app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
-    with serving(app, port=port):
-        proxy = RecordingProxy(port)
+    with serving(app) as served:
+        proxy = RecordingProxy(httpx.URL(served).port)
         url = f"http://127.0.0.1:{proxy.port}{SESSIONS_PATH}"
         tokenizer = AutoTokenizer.from_pretrained(vendor_model)
         ids = tokenizer(SECRETS[0], add_special_tokens=False)["input_ids"]

@@ -46,11 +46,8 @@ def test_bundle_is_cached_by_hash(setup, tmp_path):
 
 def test_retries_until_the_server_comes_up(setup, tmp_path):
     model, root = setup
-    from privlm.service.process import free_port
-
-    port = free_port()
-    with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"]), port=port, delay=1.0):
-        client = Client(f"http://127.0.0.1:{port}", eta=5.0, cache_dir=tmp_path, backoff=0.2, retries=8,
+    with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"]), delay=1.0) as url:
+        client = Client(url, eta=5.0, cache_dir=tmp_path, backoff=0.2, retries=8,
                         device="cpu")
         assert client.encode(TEXTS[:1]).shape == (1, 32)
         assert client.retry.failed_attempts >= 1  # it really had to retry

@@ -20,7 +20,7 @@ from privlm.snd.service.server import create_app
 from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 from tests.service.localhost import serving
 
-MODEL = "privlm-snd-model"  # the gateway's id for the tiny model, loaded from a folder named "model"
+MODEL = "privlm-snd-model"  # the gateway's id for the tiny_bert model, loaded from a folder named "model"
 
 
 class Stack(NamedTuple):

@@ -36,11 +36,6 @@ TEXTS = ["the cat sat", "a dog", "the mat", "a cat sat on the mat", "the dog sat
 MODEL = "privlm-snd-model"  # the gateway's id for a model loaded from a folder named "model"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> SplitModel:
-    return SplitModel.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tiny") / "model"), device="cpu")
-
-
 class Upstream:
     """ASGI wrapper of a real server whose encode route can be swapped at run time: ``encode`` is None
     (the real server), or an ASGI app that answers in its place (an outage, another model, a liar)."""
@@ -90,9 +85,9 @@ def hostile_bundle_app(model: SplitModel, rename: dict[str, str], *, denoiser: s
 
 @pytest.mark.parametrize("name", ["../../escaped.pth", "/tmp/privlm-escaped.pth", "tokenizer/../../../escaped.pth",
                                   "..", "a\\..\\..\\escaped.pth", "./model.json"])
-def test_finding_1_a_hostile_bundle_cannot_write_outside_the_cache(tiny, tmp_path, name):
+def test_finding_1_a_hostile_bundle_cannot_write_outside_the_cache(tiny_bert, tmp_path, name):
     cache = tmp_path / "cache"
-    app = hostile_bundle_app(tiny, {"model.json": name})
+    app = hostile_bundle_app(tiny_bert, {"model.json": name})
     with serving(app) as url, pytest.raises(ServerError, match="plain relative name"):
         Client(url, eta=5.0, cache_dir=cache, device="cpu", denoiser=None)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -100,21 +95,22 @@ def test_finding_1_a_hostile_bundle_cannot_write_outside_the_cache(tiny, tmp_pat
     assert not Path("/tmp/privlm-escaped.pth").exists()
 
 
-def test_finding_1_a_hostile_denoiser_name_is_refused(tiny, tmp_path):
-    with serving(hostile_bundle_app(tiny, {}, denoiser="../../../etc")) as url, \
+def test_finding_1_a_hostile_denoiser_name_is_refused(tiny_bert, tmp_path):
+    with serving(hostile_bundle_app(tiny_bert, {}, denoiser="../../../etc")) as url, \
             pytest.raises(ServerError, match="plain relative name"):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
 
 
-def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny, tmp_path):
+def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny_bert, tmp_path):
     def odd_range(manifest: dict) -> None:
         manifest["denoisers"] = [{"name": "d", "variant": "snd", "eta_range": "all of them"}]
-    with serving(hostile_bundle_app(tiny, {}, extra=odd_range)) as url, pytest.raises(ServerError, match="eta_range"):
+    with (serving(hostile_bundle_app(tiny_bert, {}, extra=odd_range)) as url,
+          pytest.raises(ServerError, match="eta_range")):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
 
 
-def test_finding_1_the_snd_bundle_holds_only_the_files_clients_accept(tiny):
-    assert all(is_snd_bundle_file(name) for name in snd_bundle(tiny, []).files)
+def test_finding_1_the_snd_bundle_holds_only_the_files_clients_accept(tiny_bert):
+    assert all(is_snd_bundle_file(name) for name in snd_bundle(tiny_bert, []).files)
     assert all(is_snd_bundle_file(name) for name in ["denoisers/d/denoiser.safetensors", "denoisers/d/denoiser.json"])
     assert not any(is_snd_bundle_file(name) for name in ["startup/run.py", "a/b/c/d", "evil.pth", "tokenizer",
                                                          "tokenizer/sub/x.json", "denoisers/d/run.py",
@@ -152,19 +148,19 @@ class Counting:
 
 @pytest.mark.parametrize("name", ["startup/run.py", "a/b/c/d", "evil.pth", "tokenizer/sub/x.json",
                                   "denoisers/d/run.py"])
-def test_finding_1_a_well_formed_but_unexpected_file_is_refused_before_anything_is_written(tiny, tmp_path, name):
+def test_finding_1_a_well_formed_but_unexpected_file_is_refused_before_anything_is_written(tiny_bert, tmp_path, name):
     def plant(manifest: dict) -> None:
         manifest["files"].append({"name": name, "sha256": "0" * 64, "size": 9})
-    server = Counting(hostile_bundle_app(tiny, {}, extra=plant))
+    server = Counting(hostile_bundle_app(tiny_bert, {}, extra=plant))
     with serving(server) as url, pytest.raises(ServerError, match="not a file this kind of bundle holds"):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
     assert server.paths == [BUNDLE_PATH]  # the manifest only: no file was fetched
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
-def test_finding_1_an_endless_bundle_file_is_cut_at_its_declared_size(tiny, tmp_path):
-    declared = len(snd_bundle(tiny, []).files["embeddings.safetensors"].content)
-    server = Counting(hostile_bundle_app(tiny, {}), endless=f"{BUNDLE_PATH}/files/embeddings.safetensors")
+def test_finding_1_an_endless_bundle_file_is_cut_at_its_declared_size(tiny_bert, tmp_path):
+    declared = len(snd_bundle(tiny_bert, []).files["embeddings.safetensors"].content)
+    server = Counting(hostile_bundle_app(tiny_bert, {}), endless=f"{BUNDLE_PATH}/files/embeddings.safetensors")
     started = time.monotonic()
     with serving(server) as url, pytest.raises(ServerError, match=f"limit of {declared} bytes"):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
@@ -173,8 +169,8 @@ def test_finding_1_an_endless_bundle_file_is_cut_at_its_declared_size(tiny, tmp_
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("embeddings.safetensors"))
 
 
-def test_finding_1_an_endless_manifest_is_refused_at_its_cap(tiny, tmp_path):
-    server = Counting(hostile_bundle_app(tiny, {}), endless=BUNDLE_PATH, head=b'{"files": [')
+def test_finding_1_an_endless_manifest_is_refused_at_its_cap(tiny_bert, tmp_path):
+    server = Counting(hostile_bundle_app(tiny_bert, {}), endless=BUNDLE_PATH, head=b'{"files": [')
     with serving(server) as url, pytest.raises(ServerError, match=f"limit of {MANIFEST_LIMIT} bytes"):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
     assert server.served <= MANIFEST_LIMIT + 4 * Counting.CHUNK
@@ -195,14 +191,14 @@ class Recorder:
             return Response(b"stolen")
 
 
-def test_finding_2_the_key_never_travels_to_another_origin(tiny, tmp_path):
+def test_finding_2_the_key_never_travels_to_another_origin(tiny_bert, tmp_path):
     recorder = Recorder()
     with serving(recorder.app) as elsewhere:
         def point_elsewhere(manifest: dict) -> None:
             for entry in manifest["files"]:
                 entry["url"] = f"{elsewhere}/steal/{entry['name']}"
         # URLs in the manifest are ignored: files come from the server's own fixed paths
-        with serving(hostile_bundle_app(tiny, {}, extra=point_elsewhere)) as url:
+        with serving(hostile_bundle_app(tiny_bert, {}, extra=point_elsewhere)) as url:
             Client(url, eta=5.0, cache_dir=tmp_path / "a", device="cpu", denoiser=None, api_key="secret-key").close()
         # a redirect to another origin is not followed
         redirecting = FastAPI()
@@ -232,7 +228,7 @@ def test_finding_3_the_gateway_refuses_a_chunked_body_over_its_limit(gateway):
 
 
 # --- finding 4: a restarted server silently mixed two models -------------------------------------------------
-def other_weights(tiny: SplitModel, tmp_path: Path) -> SplitModel:
+def other_weights(tiny_bert: SplitModel, tmp_path: Path) -> SplitModel:
     """The same embedding rows and config, other transformer weights: the old fingerprint could not tell."""
     other = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "other" / "model"), device="cpu")
     with torch.no_grad():
@@ -240,15 +236,15 @@ def other_weights(tiny: SplitModel, tmp_path: Path) -> SplitModel:
     return other
 
 
-def test_finding_4_the_fingerprint_covers_every_weight(tiny, tmp_path):
-    other = other_weights(tiny, tmp_path)
-    assert other.fingerprint == tiny.fingerprint  # the client-checkable embedding rows are the same
-    assert other.weights_fingerprint != tiny.weights_fingerprint
+def test_finding_4_the_fingerprint_covers_every_weight(tiny_bert, tmp_path):
+    other = other_weights(tiny_bert, tmp_path)
+    assert other.fingerprint == tiny_bert.fingerprint  # the client-checkable embedding rows are the same
+    assert other.weights_fingerprint != tiny_bert.weights_fingerprint
 
 
-def test_finding_4_a_model_swap_mid_encode_is_refused_and_nothing_mixes(tiny, tmp_path):
-    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
-    swapped = create_app(other_weights(tiny, tmp_path), denoiser_dirs=[])
+def test_finding_4_a_model_swap_mid_encode_is_refused_and_nothing_mixes(tiny_bert, tmp_path):
+    upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
+    swapped = create_app(other_weights(tiny_bert, tmp_path), denoiser_dirs=[])
     with serving(upstream) as url, serving(swapped):
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2)
         reference = client.encode(TEXTS)
@@ -268,19 +264,19 @@ def test_finding_4_a_model_swap_mid_encode_is_refused_and_nothing_mixes(tiny, tm
     assert np.isnan(error.encoded.vectors[error.missing]).all()  # no row from the other model
 
 
-def test_finding_4_every_encode_answer_names_its_weights(tiny):
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
-        body, headers = write_sequences(torch.randn(1, 3, tiny.hidden_size), torch.ones(1, 3, dtype=torch.long))
+def test_finding_4_every_encode_answer_names_its_weights(tiny_bert):
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
+        body, headers = write_sequences(torch.randn(1, 3, tiny_bert.hidden_size), torch.ones(1, 3, dtype=torch.long))
         answer = httpx.post(f"{url}/v1/snd/encode", content=body, headers=headers)
         manifest = httpx.get(f"{url}{BUNDLE_PATH}").json()
-    assert answer.headers[MODEL_FINGERPRINT_HEADER] == tiny.weights_fingerprint
-    assert manifest["model"]["weights_fingerprint"] == tiny.weights_fingerprint
+    assert answer.headers[MODEL_FINGERPRINT_HEADER] == tiny_bert.weights_fingerprint
+    assert manifest["model"]["weights_fingerprint"] == tiny_bert.weights_fingerprint
 
 
 # --- finding 6: 500s and NaN -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lie", ["rows", "width", "fingerprint", "not-a-tensor"])
-def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny, tmp_path, lie):
-    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny_bert, tmp_path, lie):
+    upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
 
@@ -313,8 +309,8 @@ def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny, tmp_path
     assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error", answer.text
 
 
-def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny, tmp_path):
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny_bert, tmp_path):
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
         with serving(create_gateway(client)) as gateway:
             body = b'{"model": "' + MODEL.encode() + b'", "input": ["fine", "bad \\ud800 text"]}'
@@ -325,17 +321,18 @@ def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny, tmp_path):
     assert answer.json()["error"]["param"] == "input" and "input.1" in answer.json()["error"]["message"]
 
 
-def test_finding_6_huge_finite_inputs_get_a_4xx_never_nan(tiny):
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
-        body, headers = write_sequences(torch.full((2, 4, tiny.hidden_size), 1e38), torch.ones(2, 4, dtype=torch.long))
+def test_finding_6_huge_finite_inputs_get_a_4xx_never_nan(tiny_bert):
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
+        body, headers = write_sequences(torch.full((2, 4, tiny_bert.hidden_size), 1e38),
+                                        torch.ones(2, 4, dtype=torch.long))
         answer = httpx.post(f"{url}/v1/snd/encode", content=body, headers=headers)
     assert answer.status_code == 422 and answer.json()["error"]["param"] == "finite"
 
 
 # --- finding 7: one request monopolised the gateway --------------------------------------------------------------
-def test_finding_7_a_request_over_the_token_cap_is_refused(tiny, tmp_path):
+def test_finding_7_a_request_over_the_token_cap_is_refused(tiny_bert, tmp_path):
     assert MAX_REQUEST_TOKENS == 300_000  # OpenAI's cap, the default
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
         with serving(create_gateway(client, max_request_tokens=40)) as gateway:
             sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
@@ -404,13 +401,13 @@ def timed_post(url: str, key: str, texts: list[str]) -> tuple[int, float]:
     return status, time.perf_counter() - started
 
 
-def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny, tmp_path):
+def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny_bert, tmp_path):
     """Alice keeps 8 requests of 4 batches in flight against a saturated server (0.25 s per encode, one at a
     time: 8 s of work). Bob's one-text request, sent meanwhile, waits for the batch in progress and his own
     turn, not for the queue: bound 1.25 s (5 encodes). Without fair turns every one of alice's requests has a
     batch queued at the server ahead of bob's: 8 encodes, at least 2 s."""
     delay = 0.25
-    with serving(SerialEncodes(create_app(tiny, denoiser_dirs=[]), delay)) as url:
+    with serving(SerialEncodes(create_app(tiny_bert, denoiser_dirs=[]), delay)) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=1)
         with (serving(create_gateway(client, api_keys=["alice", "bob"], max_concurrent_batches=1)) as gateway,
               ThreadPoolExecutor(8) as pool):
@@ -438,10 +435,10 @@ class SlowTokenizer:
         return getattr(self.inner, name)
 
 
-def test_finding_7_tokenizing_a_big_request_does_not_hold_others(tiny, tmp_path):
+def test_finding_7_tokenizing_a_big_request_does_not_hold_others(tiny_bert, tmp_path):
     """Tokenizing alice's 2,048 texts takes 4 s (2 ms a text, one tokenizer); bob's one text, sent meanwhile,
     is tokenized between two of her 64-text turns, so he waits well under a second, not the 4 s."""
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
         client.model.tokenizer = SlowTokenizer(client.model.tokenizer, per_text=0.002)
         with serving(create_gateway(client, api_keys=["alice", "bob"])) as gateway, ThreadPoolExecutor(1) as pool:
@@ -505,8 +502,8 @@ def test_finding_8_a_client_started_with_the_server_rides_out_its_cold_start(tmp
     assert Client.__init__.__kwdefaults__["retry_for"] > waited  # with room to spare over this cold start
 
 
-def test_finding_8_a_refusal_part_way_keeps_the_finished_batches(tiny, tmp_path):
-    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+def test_finding_8_a_refusal_part_way_keeps_the_finished_batches(tiny_bert, tmp_path):
+    upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2)
         served = upstream.encodes
@@ -522,16 +519,16 @@ def test_finding_8_a_refusal_part_way_keeps_the_finished_batches(tiny, tmp_path)
             client.encode(TEXTS)
         client.close()
     assert isinstance(failed.value.__cause__, RequestRefusedError) and len(failed.value.done) == 4
-    assert failed.value.weights_fingerprint == tiny.weights_fingerprint
+    assert failed.value.weights_fingerprint == tiny_bert.weights_fingerprint
 
 
-def test_finding_8_a_model_change_says_to_start_again(tiny, tmp_path):
+def test_finding_8_a_model_change_says_to_start_again(tiny_bert, tmp_path):
     error = IncompleteEncodingError(Encoded(np.zeros((2, 3)), EncodeReport()), [0], ModelChangedError("changed"))
     assert "encode every text again with a new client" in str(error)
 
 
-def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny, tmp_path):
-    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny_bert, tmp_path):
+    upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2,
                         backoff=0.1, retry_for=20)
@@ -542,8 +539,8 @@ def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny, tmp_path):
     assert np.isfinite(vectors).all() and client.retry.failed_attempts >= 2
 
 
-def test_finding_8_finished_batches_survive_an_outage_past_the_budget(tiny, tmp_path):
-    upstream = Upstream(create_app(tiny, denoiser_dirs=[]))
+def test_finding_8_finished_batches_survive_an_outage_past_the_budget(tiny_bert, tmp_path):
+    upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2,
                         backoff=0.05, retry_for=1.0)
@@ -562,7 +559,7 @@ def test_finding_8_finished_batches_survive_an_outage_past_the_budget(tiny, tmp_
         client.close()
     error = failed.value
     assert len(error.done) == 4 and np.isfinite(error.encoded.vectors[error.done]).all()
-    assert rest.shape == (2, tiny.hidden_size)
+    assert rest.shape == (2, tiny_bert.hidden_size)
 
 
 def failing_once(error: type[httpx.TransportError]) -> tuple[httpx.Client, list[httpx.Request]]:
@@ -593,8 +590,8 @@ def test_finding_8_timeouts_are_resent_only_when_idempotent():
 
 # --- finding 9: OpenAI compatibility ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gateway(tiny, tmp_path_factory):
-    upstream = Upstream(create_app(tiny, denoiser_dirs=[], api_keys=["server-key"]))
+def gateway(tiny_bert, tmp_path_factory):
+    upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[], api_keys=["server-key"]))
     with serving(upstream) as url:
         client = Client(url, eta=5.0, cache_dir=tmp_path_factory.mktemp("cache"), device="cpu", denoiser=None,
                         api_key="server-key")
@@ -638,10 +635,10 @@ def test_finding_9_errors_never_echo_the_callers_text(gateway, payload):
     assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_finding_9_no_other_answer_echoes_the_caller_either(gateway, tiny):
+def test_finding_9_no_other_answer_echoes_the_caller_either(gateway, tiny_bert):
     url, _ = gateway
     answers = [httpx.get(f"{url}/v1/models/my%20secret%20diagnosis")]
-    with serving(create_app(tiny, denoiser_dirs=[])) as server:  # no keys: loopback Host names only
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as server:  # no keys: loopback Host names only
         answers.append(httpx.get(f"{server}/health", headers={"host": "my-secret-diagnosis.example"}))
         answers.append(httpx.get(f"{server}/v1/models/my%20secret%20diagnosis"))
     assert [answer.status_code for answer in answers] == [404, 400, 404]
@@ -698,9 +695,9 @@ def test_refused_requests_carry_the_servers_status_and_code():
 
 
 # --- finding 10: smaller leaks and gaps ------------------------------------------------------------------------------
-def test_finding_10_health_and_bundle_reveal_no_paths_or_credentials(tiny, tmp_path):
-    folder = str(Path(tiny.name).parent)  # the operator's filesystem path to the model
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+def test_finding_10_health_and_bundle_reveal_no_paths_or_credentials(tiny_bert, tmp_path):
+    folder = str(Path(tiny_bert.name).parent)  # the operator's filesystem path to the model
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         port = url.rsplit(":", 1)[1]
         seen = [httpx.get(f"{url}{path}").text for path in ("/health", "/v1/models", BUNDLE_PATH)]
         manifest = httpx.get(f"{url}{BUNDLE_PATH}").json()
@@ -723,10 +720,10 @@ def test_finding_10_unknown_and_contentless_texts_are_reported(gateway):
     assert answer.headers["x-privlm-no-content"] == "2"
 
 
-def test_finding_10_the_library_reports_and_warns_about_them_too(tiny):
+def test_finding_10_the_library_reports_and_warns_about_them_too(tiny_bert):
     from privlm.snd import SnDEncoder
 
-    encoder = SnDEncoder(tiny, eta=5.0, denoiser=None)
+    encoder = SnDEncoder(tiny_bert, eta=5.0, denoiser=None)
     with pytest.warns(UserWarning) as caught:
         encoded = encoder.encode_with_report(["x" * 300, "the cat", "\u200b"])
     messages = [str(w.message) for w in caught]
@@ -736,13 +733,13 @@ def test_finding_10_the_library_reports_and_warns_about_them_too(tiny):
 
 
 # --- finding 11: the OpenAPI schemas say what the services do ------------------------------------------------------
-def test_finding_11_real_answers_conform_to_the_server_openapi(tiny):
+def test_finding_11_real_answers_conform_to_the_server_openapi(tiny_bert):
     from privlm.wire import RAW, SAFETENSORS
     from tests.service.fuzz import conforming
 
-    with serving(create_app(tiny, denoiser_dirs=[], api_keys=["k"])) as url:
+    with serving(create_app(tiny_bert, denoiser_dirs=[], api_keys=["k"])) as url:
         key = {"authorization": "Bearer k"}
-        embeddings, mask = torch.randn(2, 3, tiny.hidden_size), torch.ones(2, 3, dtype=torch.long)
+        embeddings, mask = torch.randn(2, 3, tiny_bert.hidden_size), torch.ones(2, 3, dtype=torch.long)
         statuses = []
         for fmt in (SAFETENSORS, RAW):
             body, headers = write_sequences(embeddings, mask, fmt=fmt)
@@ -773,15 +770,15 @@ def test_finding_11_real_answers_conform_to_the_gateway_openapi(gateway):
     assert statuses == [200, 200, 400, 404, 502]
 
 
-def test_finding_11_a_body_without_its_headers_is_schema_invalid_and_refused(tiny):
+def test_finding_11_a_body_without_its_headers_is_schema_invalid_and_refused(tiny_bert):
     from privlm.wire import RAW, SAFETENSORS
 
     declaring = ("X-Privlm-Dtype", "X-Privlm-Shape", "X-Privlm-Lengths")
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         schema = httpx.get(f"{url}/openapi.json").json()
         parameters = {p["name"]: p for p in schema["paths"]["/v1/snd/encode"]["post"]["parameters"]}
         assert all(parameters[name]["in"] == "header" and parameters[name]["required"] for name in declaring)
-        embeddings, mask = torch.randn(2, 3, tiny.hidden_size), torch.tensor([[1, 1, 1], [1, 1, 0]])
+        embeddings, mask = torch.randn(2, 3, tiny_bert.hidden_size), torch.tensor([[1, 1, 1], [1, 1, 0]])
         answers = {}
         for fmt in (SAFETENSORS, RAW):
             body, headers = write_sequences(embeddings, mask, fmt=fmt)
@@ -792,10 +789,10 @@ def test_finding_11_a_body_without_its_headers_is_schema_invalid_and_refused(tin
         assert "X-Privlm-Dtype header is required" in answer.json()["error"]["message"]
 
 
-def test_finding_1_a_bundle_declaring_too_much_is_refused_before_anything_is_fetched(tiny, tmp_path):
+def test_finding_1_a_bundle_declaring_too_much_is_refused_before_anything_is_fetched(tiny_bert, tmp_path):
     def huge(manifest: dict) -> None:
         manifest["files"][0]["size"] = 3 * 2**30  # 3 GiB, with a capped stream it would still be held in memory
-    counting = Counting(hostile_bundle_app(tiny, {}, extra=huge))
+    counting = Counting(hostile_bundle_app(tiny_bert, {}, extra=huge))
     with serving(counting) as url, pytest.raises(ServerError, match="max_bytes"):
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
     assert counting.paths == [BUNDLE_PATH]
@@ -803,18 +800,18 @@ def test_finding_1_a_bundle_declaring_too_much_is_refused_before_anything_is_fet
 
 @pytest.mark.parametrize(("name", "value"), [("x-privlm-shape", "1" * 5000 + ",1,32"),
                                              ("x-privlm-lengths", "9" * 5000)])
-def test_finding_6_an_overlong_number_in_a_header_is_a_422_not_a_500(tiny, name, value):
+def test_finding_6_an_overlong_number_in_a_header_is_a_422_not_a_500(tiny_bert, name, value):
     headers = {"content-type": "application/octet-stream", "x-privlm-dtype": "float32", "x-privlm-shape": "1,1,32",
                "x-privlm-lengths": "1", name: value}
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         answer = httpx.post(f"{url}/v1/snd/encode", content=b"\0" * 128, headers=headers)
     assert answer.status_code == 422 and value not in answer.text
 
 
-def test_finding_9_the_server_quotes_nothing_the_caller_sent(tiny):
+def test_finding_9_the_server_quotes_nothing_the_caller_sent(tiny_bert):
     from safetensors.torch import save
 
-    with serving(create_app(tiny, denoiser_dirs=[])) as url:
+    with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
         answers = [httpx.get(f"{url}{BUNDLE_PATH}/files/my-secret-diagnosis"),
                    httpx.post(f"{url}/v1/snd/encode", content=b"x", headers={"content-type": "my/secret-diagnosis"}),
                    httpx.post(f"{url}/v1/snd/encode", content=save({"my_secret_diagnosis": torch.ones(1)}),

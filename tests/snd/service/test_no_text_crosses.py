@@ -2,6 +2,7 @@
 
 import re
 
+import httpx
 import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -10,7 +11,7 @@ from privlm.snd import Client
 from privlm.snd.service.server import create_app
 from privlm.wire import RAW, SAFETENSORS
 from tests.service.leaks import id_patterns
-from tests.service.localhost import RecordingProxy, free_port, serving
+from tests.service.localhost import RecordingProxy, serving
 
 SECRETS = ["Patient Johanna Kowalczyk was diagnosed with pneumonia in Rotterdam.",
            "My account number is 88412 and my password is hunter2."]
@@ -27,11 +28,8 @@ def _leaks(traffic: bytes, tokenizer: PreTrainedTokenizerBase) -> tuple[list[str
 @pytest.mark.slow
 def test_the_detector_sees_a_leaky_request(minilm):
     """Negative control: text and ids sent through the same proxy are found."""
-    import httpx
-
-    port = free_port()
-    with serving(create_app(minilm), port=port):
-        proxy = RecordingProxy(port)
+    with serving(create_app(minilm)) as served:
+        proxy = RecordingProxy(httpx.URL(served).port)
         ids = minilm.tokenizer(SECRETS[0], add_special_tokens=False)["input_ids"]
         httpx.post(f"http://127.0.0.1:{proxy.port}/v1/snd/encode", json={"text": SECRETS[0]})
         httpx.post(f"http://127.0.0.1:{proxy.port}/v1/snd/encode", content=np.array(ids, dtype="<i8").tobytes(),
@@ -44,9 +42,8 @@ def test_the_detector_sees_a_leaky_request(minilm):
 @pytest.mark.slow
 @pytest.mark.parametrize("wire_format", [SAFETENSORS, RAW])
 def test_a_round_trip_carries_no_text_and_no_token_ids(minilm, tmp_path, wire_format):
-    port = free_port()
-    with serving(create_app(minilm), port=port):
-        proxy = RecordingProxy(port)
+    with serving(create_app(minilm)) as served:
+        proxy = RecordingProxy(httpx.URL(served).port)
         client = Client(f"http://127.0.0.1:{proxy.port}", eta=50.0, cache_dir=tmp_path, device="cpu",
                         wire_format=wire_format)
         proxy.clear()  # the bundle (vocabulary, weights) went server -> client before any user text existed

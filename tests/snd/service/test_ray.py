@@ -8,31 +8,24 @@ import numpy as np
 import pytest
 import torch
 
-from privlm.models import SplitModel
-from privlm.service.process import free_port, start_privlm, stop
+from privlm.service.process import stop
 from privlm.snd import Client
 from privlm.wire import RAW, read_rows, write_sequences
-from tests.models.tiny import tiny_bert_folder
+from tests.service.localhost import start_privlm_on_free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one local Ray cluster at a time
 KEY = "ray-test-key"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> SplitModel:
-    return SplitModel.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tiny")), device="cpu")
-
-
-@pytest.fixture(scope="module")
-def ray_server(tiny, tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+def ray_server(tiny_bert, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"  # read by each replica (finding 5 of issue 10)
     key_file.write_text(f"# the test's key\n{KEY}\n")
     key_file.chmod(0o600)
-    process = start_privlm(["serve", "--ray", "--model", str(tiny.name), "--port", str(port), "--replicas", "2",
-                            "--replica-cpus", "0.5", "--api-key-file", str(key_file)], f"{url}/health", timeout=300)
-    yield url
+    process, port = start_privlm_on_free_port(
+        lambda port: ["serve", "--ray", "--model", str(tiny_bert.name), "--port", str(port), "--replicas", "2",
+                      "--replica-cpus", "0.5", "--api-key-file", str(key_file)], timeout=300)
+    yield f"http://127.0.0.1:{port}"
     stop(process)
     assert process.returncode is not None
 
@@ -41,10 +34,10 @@ def _authorised() -> dict[str, str]:
     return {"authorization": f"Bearer {KEY}"}
 
 
-def test_replicas_serve_the_same_model(ray_server, tiny):
-    assert httpx.get(f"{ray_server}/health").json()["weights_fingerprint"] == tiny.weights_fingerprint
-    batch = tiny.tokenize(["the cat sat on the mat", "a dog"])
-    embeddings = tiny.embed_tokens(batch.input_ids).detach()
+def test_replicas_serve_the_same_model(ray_server, tiny_bert):
+    assert httpx.get(f"{ray_server}/health").json()["weights_fingerprint"] == tiny_bert.weights_fingerprint
+    batch = tiny_bert.tokenize(["the cat sat on the mat", "a dog"])
+    embeddings = tiny_bert.embed_tokens(batch.input_ids).detach()
     body, headers = write_sequences(embeddings, batch.attention_mask, dtype="float32", fmt=RAW)
 
     def post(_: int) -> torch.Tensor:
@@ -56,7 +49,7 @@ def test_replicas_serve_the_same_model(ray_server, tiny):
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(post, range(16)))
     with torch.no_grad():
-        expected = tiny.encode(embeddings, batch.attention_mask)
+        expected = tiny_bert.encode(embeddings, batch.attention_mask)
     for pooled in answers:
         torch.testing.assert_close(pooled, expected, atol=1e-5, rtol=0)
 
@@ -69,10 +62,10 @@ def test_errors_and_keys_pass_through_the_ray_proxy(ray_server):
     assert 400 <= response.status_code < 500 and response.json()["error"]["param"] == "dtype"
 
 
-def test_client_round_trip(ray_server, tiny, tmp_path):
+def test_client_round_trip(ray_server, tiny_bert, tmp_path):
     client = Client(ray_server, eta=50.0, api_key=KEY, denoiser=None, cache_dir=tmp_path)
     embeddings = client.encode(["the cat sat", "a dog ran on the mat"])
-    assert embeddings.shape == (2, tiny.hidden_size) and embeddings.dtype == np.float32
+    assert embeddings.shape == (2, tiny_bert.hidden_size) and embeddings.dtype == np.float32
     assert np.isfinite(embeddings).all()
 
 
@@ -98,7 +91,7 @@ def test_bad_deployment_sizes_are_refused(bad):
         snd_application("minilm", **bad)
 
 
-def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny, tmp_path, monkeypatch):
+def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny_bert, tmp_path, monkeypatch):
     """Keys need not sit in Ray's config (which Ray stores): each replica reads the key file and the variable
     on its own node; an explicitly empty source is refused, never an open server."""
     from privlm.service.auth import KeySourceError
@@ -113,7 +106,7 @@ def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny, t
     assert deployment.init_kwargs["api_keys_env"] == "PRIVLM_API_KEYS"
     assert "file-key" not in repr((deployment.init_args, deployment.init_kwargs))
     monkeypatch.setenv("PRIVLM_API_KEYS", "env-key")
-    replica = SnDServer(str(tiny.name), api_key_file=str(key_file), api_keys_env="PRIVLM_API_KEYS")
+    replica = SnDServer(str(tiny_bert.name), api_key_file=str(key_file), api_keys_env="PRIVLM_API_KEYS")
     with serving(replica.__serve_build_asgi_app__()) as url:
         for key, status in (("file-key", 200), ("env-key", 200), ("other", 401)):
             assert httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {key}"}).status_code == status
@@ -121,7 +114,7 @@ def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny, t
         app_builder({"model": "minilm", "api_keys": ""})
     monkeypatch.setenv("PRIVLM_API_KEYS", "")
     with pytest.raises(KeySourceError, match="PRIVLM_API_KEYS"):
-        SnDServer(str(tiny.name), api_keys_env="PRIVLM_API_KEYS")
+        SnDServer(str(tiny_bert.name), api_keys_env="PRIVLM_API_KEYS")
 
 
 def _loopback(address: str) -> bool:

@@ -13,7 +13,6 @@ forward anything.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -125,16 +124,18 @@ class PromptPrivacy:
              **options: object) -> PromptPrivacy:
         """Cape on ``device_model`` with its logit bound B (a :class:`LogitBound` of this model, or a number)."""
         return cls(cape_factory(device_model, logit_bound=logit_bound, **options), mechanism="cape",
-                   epsilon=epsilon, count_tokens=token_counter(device_model), ledger=ledger,
+                   epsilon=epsilon, count_tokens=token_counter(device_model), ledger=ledger, unit=Cape.unit,
                    max_prompt_tokens=max_prompt_tokens, device=device_model.device)
 
     def resolve_epsilon(self, requested: float | None, *, param: str = "privlm.epsilon") -> float:
         """The epsilon of one request: the configured one, or a lower one it asks for (a higher one is refused)."""
         if requested is None:
             return self.epsilon
-        if isinstance(requested, bool) or not isinstance(requested, int | float) or not math.isfinite(requested) \
-                or requested <= 0:
-            raise ServiceError(400, f"{param} must be a finite number > 0", param=param, code="invalid_epsilon")
+        try:
+            requested = check_positive_finite(param, requested)  # the one check of an epsilon, as a 400 here
+        except ValueError:
+            raise ServiceError(400, f"{param} must be a finite number > 0", param=param,
+                               code="invalid_epsilon") from None
         if requested > self.epsilon:
             raise ServiceError(400, f"{param} may lower epsilon, never raise it: this gateway allows at most "
                                     f"{self.epsilon:g} per token", param=param, code="epsilon_above_limit")

@@ -35,10 +35,10 @@ from rich.progress import Progress
 from transformers import PreTrainedTokenizerBase
 
 from privlm.eval.sweeps.cape import CapeBench, peak_rss_mb
-from privlm.eval.text_mechanisms import MechanismContext, TextMechanism, text_mechanisms
 from privlm.mechanisms import make_generator
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import TextPerturber
+from privlm.models.text_mechanisms import MechanismContext, text_mechanisms
 from privlm.provenance import provenance
 
 PAPER_SETUP_SECONDS = {"santext": 325.0, "custext": 2930.0, "inferdpt": 28.7, "cape": 37.9}
@@ -86,10 +86,6 @@ def cold_cache() -> Iterator[Path]:
                 os.environ["PRIVLM_CACHE"] = previous
 
 
-def _needs_bound(mechanism: TextMechanism) -> bool:
-    return mechanism.family == "cape" and mechanism.options.get("lambda_L", 0.5) != 0
-
-
 def measure_setup(bench: CapeBench, epsilon: float) -> dict[str, dict[str, Any]]:
     """Constructor (+ cold CUSTEXT cache, + Cape calibration) seconds of every mechanism of ``bench``."""
     bare = MechanismContext(bench.lm, None)
@@ -102,12 +98,12 @@ def measure_setup(bench: CapeBench, epsilon: float) -> dict[str, dict[str, Any]]
             perturber: Any = mechanism.build(bare, epsilon=epsilon, generator=make_generator(0))
             constructor = time.perf_counter() - started
         calibrate = 0.0
-        if _needs_bound(mechanism):
+        if mechanism.needs_logit_bound:
             started = time.perf_counter()
             perturber.calibrate(calibration)
             calibrate = time.perf_counter() - started
         out[key] = {"constructor_s": constructor, "calibration_s": calibrate, "setup_s": constructor + calibrate,
-                    "cold_cache": cold, "calibration_texts": len(calibration) if _needs_bound(mechanism) else 0}
+                    "cold_cache": cold, "calibration_texts": len(calibration) if mechanism.needs_logit_bound else 0}
     return out
 
 
@@ -165,7 +161,7 @@ def measure_speed(bench: CapeBench, *, setting: SpeedSetting | None = None,
     setup = measure_setup(bench, setting.epsilon)
     int8 = bench.int8_context
     quantize_s = None
-    if int8 is None and bench.lm.device.type == "cpu" and any(_needs_bound(m) for m in bench.mechanisms.values()):
+    if int8 is None and bench.lm.device.type == "cpu" and any(m.needs_logit_bound for m in bench.mechanisms.values()):
         started = time.perf_counter()
         quantized = bench.lm.quantize_int8()
         quantize_s = time.perf_counter() - started

@@ -14,8 +14,8 @@ import pytest
 
 from privlm.models.chat import ChatModel
 from privlm.service.llm_server import create_llm_app
-from tests.gateway.conftest import EPS, TIMEOUT, chat_gateway
 from tests.service.localhost import serving
+from tests.support.chat import EPS, TIMEOUT, chat_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,8 @@ class Stack(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def stack(gateway_lm, cape_privacy) -> Iterator[Stack]:
-    with serving(create_llm_app(ChatModel(gateway_lm), api_keys=[LLM_KEY])) as llm_url:
+def stack(smollm2_lm, cape_privacy) -> Iterator[Stack]:
+    with serving(create_llm_app(ChatModel(smollm2_lm), api_keys=[LLM_KEY])) as llm_url:
         listed = httpx.get(f"{llm_url}/v1/models", headers={"authorization": f"Bearer {LLM_KEY}"}).json()
         model = listed["data"][0]["id"]
         with chat_gateway(cape_privacy, llm_url, upstream_key=LLM_KEY, api_keys=[GATEWAY_KEY],

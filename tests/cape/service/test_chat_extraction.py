@@ -15,7 +15,7 @@ import pytest
 
 from privlm.cape.service.extraction import AnswerExtractor
 from privlm.models.chat import ChatModel
-from tests.gateway.conftest import (
+from tests.support.chat import (
     CANNED,
     CANNED_CONTENT,
     MISSING,
@@ -38,8 +38,8 @@ class Extracting(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def extracting(gateway_lm, cape_privacy, stub) -> Iterator[Extracting]:
-    extractor = AnswerExtractor(ChatModel(gateway_lm), max_tokens=8)
+def extracting(smollm2_lm, cape_privacy, stub) -> Iterator[Extracting]:
+    extractor = AnswerExtractor(ChatModel(smollm2_lm), max_tokens=8)
     with chat_gateway(cape_privacy, stub.url, extractor=extractor) as url:
         yield Extracting(url, extractor)
 

@@ -4,7 +4,7 @@ audit log (JSON lines, then SQLite), the ledger database, the error bodies and t
 the callers' keys and the upstream's key.
 
 Cape runs at epsilon 1, where a sensitive word of this prompt survives with probability under 1e-4
-(tests/gateway/test_chat_capture.py computes such bounds); a word that the upstream did receive, by chance, is a
+(tests/cape/service/test_chat_capture.py computes such bounds); a word that the upstream did receive, by chance, is a
 perturbed word and allowed, so it is left out of the search (the test asserts that almost none is).
 """
 
@@ -23,11 +23,10 @@ from privlm.cape.service.chat import create_chat_gateway
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
-from privlm.service.process import free_port
 from privlm.service.upstream import ChatUpstream
-from tests.gateway.conftest import FAILING, MISSING, TIMEOUT, B, chat_body, fake_privacy
-from tests.gateway.test_chat_fail_closed import broken
-from tests.service.localhost import serving
+from tests.cape.service.test_chat_fail_closed import broken
+from tests.service.localhost import dead_url, serving
+from tests.support.chat import FAILING, MISSING, TIMEOUT, B, chat_body, fake_privacy
 
 pytestmark = pytest.mark.slow
 
@@ -85,15 +84,15 @@ def audit_path(request, tmp_path) -> Path:
     return tmp_path / f"audit{request.param}"
 
 
-def test_no_original_text_in_audit_ledger_errors_or_logs(gateway_lm, stub, audit_path, tmp_path, caplog):
+def test_no_original_text_in_audit_ledger_errors_or_logs(smollm2_lm, stub, audit_path, tmp_path, caplog):
     ledger_path = tmp_path / "ledger.sqlite"
-    cost = PromptPrivacy.cape(gateway_lm, epsilon=1.0, logit_bound=B).privatize([SECRET], principal="probe").spent
+    cost = PromptPrivacy.cape(smollm2_lm, epsilon=1.0, logit_bound=B).privatize([SECRET], principal="probe").spent
     ledger = Ledger(ledger_path, budgets={PrivacyUnit.EPSILON: 2.5 * cost})
-    privacy = PromptPrivacy.cape(gateway_lm, epsilon=1.0, logit_bound=B, ledger=ledger, max_prompt_tokens=256)
+    privacy = PromptPrivacy.cape(smollm2_lm, epsilon=1.0, logit_bound=B, ledger=ledger, max_prompt_tokens=256)
     stub.clear()
     with ExitStack() as stack:
         good = start(stack, privacy, stub.url, audit_path)
-        dead = start(stack, privacy, f"http://127.0.0.1:{free_port()}", audit_path)
+        dead = start(stack, privacy, stack.enter_context(dead_url()), audit_path)
         failing = start(stack, fake_privacy(broken("raises"), ledger=ledger), stub.url, audit_path)
         saved = {name: logging.getLogger(name).propagate for name in LOGGERS}  # uvicorn's do not propagate
         try:

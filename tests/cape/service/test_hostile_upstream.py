@@ -29,10 +29,9 @@ from privlm.cape.service.chat import create_chat_gateway
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
-from privlm.service.process import free_port
 from privlm.service.upstream import ChatUpstream
-from tests.gateway.conftest import CANNED, CHUNKS, EPS, assert_openai_error, chat_body, fake_privacy, sse_events
-from tests.service.localhost import serving
+from tests.service.localhost import dead_url, serving
+from tests.support.chat import CANNED, CHUNKS, EPS, assert_openai_error, chat_body, fake_privacy, sse_events
 
 KEY = "hostile-test-key"
 PROMPT = "Alice Smith from Boston has asthma."
@@ -416,7 +415,7 @@ def test_note_retries_an_unreachable_upstream_refunds_the_charge(ledger_path, st
     """Nothing listens on the upstream's port: the release was never published, so its charge is given back in
     the same ledger (a row of its own), and the answer says so. Retrying is then harmless: the SDK's retries are
     each charged and refunded, and the budget is whole at the end."""
-    with gateway(ChatUpstream(f"http://127.0.0.1:{free_port()}"), privacy=_ledgered(ledger_path)) as url:
+    with dead_url() as nowhere, gateway(ChatUpstream(nowhere), privacy=_ledgered(ledger_path)) as url:
         response, _ = post(url, "stub-model", stream=stream)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=WAIT_S)  # the default two retries
         with pytest.raises(openai.APIStatusError) as raised:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from privlm.service.process import free_port
-from tests.gateway.conftest import (
+from tests.service.localhost import dead_url
+from tests.support.chat import (
     CHUNKS,
     FAILING,
     MISSING,
@@ -37,7 +37,7 @@ PROMPT = "Alice Smith from Boston has asthma."
 @pytest.fixture(scope="module")
 def gateways(stub) -> Iterator[dict[str, str]]:
     privacy = fake_privacy()
-    with (chat_gateway(privacy, f"http://127.0.0.1:{free_port()}") as down,
+    with (dead_url() as nowhere, chat_gateway(privacy, nowhere) as down,
           chat_gateway(privacy, stub.url, read_timeout=0.5) as impatient):
         yield {"down": down, "impatient": impatient}
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import (
+from tests.support.chat import (
     CANNED,
     CANNED_CONTENT,
     CHUNKS,

@@ -25,8 +25,8 @@ import pytest
 
 from privlm.cape import Cape
 from privlm.cape.service.privacy import PromptPrivacy
-from tests.gateway.conftest import TIMEOUT, B, chat_body, chat_gateway
 from tests.service.localhost import RecordingProxy
+from tests.support.chat import TIMEOUT, B, chat_body, chat_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,9 @@ class Capture(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def capture(gateway_lm, stub) -> Iterator[Capture]:
+def capture(smollm2_lm, stub) -> Iterator[Capture]:
     proxy = RecordingProxy(stub.port)
-    privacy = PromptPrivacy.cape(gateway_lm, epsilon=EPSILON, logit_bound=B)
+    privacy = PromptPrivacy.cape(smollm2_lm, epsilon=EPSILON, logit_bound=B)
     with chat_gateway(privacy, f"http://127.0.0.1:{proxy.port}") as url:
         yield Capture(url, proxy)
     proxy.close()
@@ -54,9 +54,9 @@ def leaked(traffic: bytes) -> list[str]:
     return [word for word in SENSITIVE if word.lower().encode() in traffic.lower()]
 
 
-def survival_probabilities(device_lm, text: str, words: tuple[str, ...]) -> dict[str, float]:
+def survival_probabilities(smollm2_lm, text: str, words: tuple[str, ...]) -> dict[str, float]:
     """For each word of ``text``: the probability that Cape at ``EPSILON`` releases every token of it unchanged."""
-    cape = Cape(device_lm, epsilon=EPSILON, logit_bound=B)
+    cape = Cape(smollm2_lm, epsilon=EPSILON, logit_bound=B)
     [prepared] = cape.prepare([text])
     log_p = cape.mechanism(EPSILON).log_probabilities(prepared.utilities)
     column = {int(token): j for j, token in enumerate(cape.vocabulary.candidate_ids.tolist())}
@@ -70,8 +70,8 @@ def survival_probabilities(device_lm, text: str, words: tuple[str, ...]) -> dict
     return out
 
 
-def test_cape_makes_a_sensitive_word_surviving_by_chance_negligible(gateway_lm):
-    survival = survival_probabilities(gateway_lm, PROMPT, SENSITIVE)
+def test_cape_makes_a_sensitive_word_surviving_by_chance_negligible(smollm2_lm):
+    survival = survival_probabilities(smollm2_lm, PROMPT, SENSITIVE)
     assert all(p < MAX_SURVIVAL for p in survival.values()), survival
 
 

@@ -1,8 +1,7 @@
-"""Fixtures of the private chat gateway's tests.
+"""What the private chat gateway's tests share (the fixtures ``stub``, in tests/conftest.py, and ``cape_privacy``,
+in tests/cape/service/conftest.py, are built from it).
 
-- ``gateway_lm``: the packaged SmolLM2 as Cape's device model, loaded once per session; ``cape_privacy``: Cape on
-  it at epsilon 6 with a fixed logit bound B = 30 (no calibration), no ledger.
-- ``stub``: a fast OpenAI-compatible upstream on a real uvicorn server that records every request it receives
+- ``stub_app``: a fast OpenAI-compatible upstream on a real uvicorn server that records every request it receives
   and answers canned bytes: a completion, or an SSE stream. Special model names make it misbehave (slow, 500,
   404, a stream that stalls), so no test changes shared state to get a failure.
 - ``FakePerturber``: a mechanism without a model (each word replaced by a random one, epsilon per word charged
@@ -19,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -28,7 +26,6 @@ from privlm.accounting import Ledger
 from privlm.cape.service.chat import create_chat_gateway
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit, Spend
-from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PerturbedPrompt, PromptReport
 from privlm.service.upstream import ChatUpstream
 from tests.service.localhost import serving
@@ -124,24 +121,6 @@ async def _stream(*, stall: bool) -> AsyncIterator[bytes]:
         await asyncio.sleep(0.01)
         if stall and i == 1:
             await asyncio.sleep(SLOW_SECONDS)
-
-
-@pytest.fixture(scope="session")
-def stub() -> Iterator[StubUpstream]:
-    record = StubUpstream()
-    with serving(stub_app(record)) as url:
-        record.url, record.port = url, int(url.rsplit(":", 1)[1])
-        yield record
-
-
-@pytest.fixture(scope="session")
-def gateway_lm() -> LanguageModel:
-    return LanguageModel.from_pretrained("smollm2", device="cpu")
-
-
-@pytest.fixture(scope="session")
-def cape_privacy(gateway_lm: LanguageModel) -> PromptPrivacy:
-    return PromptPrivacy.cape(gateway_lm, epsilon=EPS, logit_bound=B)
 
 
 @contextmanager

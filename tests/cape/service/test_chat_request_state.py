@@ -20,7 +20,7 @@ import torch
 
 from privlm.accounting import Ledger
 from privlm.cape.service.privacy import PromptPrivacy, cape_factory
-from tests.gateway.conftest import EPS, TIMEOUT, B, FakePerturber, chat_body, chat_gateway, fake_privacy
+from tests.support.chat import EPS, TIMEOUT, B, FakePerturber, chat_body, chat_gateway, fake_privacy
 
 KEYS = ("key-first-0001", "key-second-002", "key-third-0003")
 
@@ -98,9 +98,9 @@ def test_every_request_gets_a_fresh_generator_and_its_callers_principal(stub):
 
 
 @pytest.mark.slow
-def test_every_request_gets_its_own_cape(gateway_lm, stub):
+def test_every_request_gets_its_own_cape(smollm2_lm, stub):
     """The same with the real Cape factory: one Cape per request, drawing from the generator it was handed."""
-    spy = Spy(cape_factory(gateway_lm, logit_bound=B))
+    spy = Spy(cape_factory(smollm2_lm, logit_bound=B))
     privacy = PromptPrivacy(spy, mechanism="cape", epsilon=EPS, count_tokens=lambda text: len(text.split()))
     requests = [(KEYS[i % 2], f"Alice number {i} lives in Boston") for i in range(4)]
     with chat_gateway(privacy, stub.url, api_keys=list(KEYS)) as url:

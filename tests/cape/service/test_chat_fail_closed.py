@@ -15,7 +15,7 @@ import torch
 from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit
 from privlm.models.perturbation import PerturbedPrompt
-from tests.gateway.conftest import (
+from tests.support.chat import (
     TIMEOUT,
     FakePerturber,
     StubUpstream,

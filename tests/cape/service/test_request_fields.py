@@ -29,7 +29,7 @@ from privlm.cape.service.messages import perturbed_fields
 from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
 from privlm.service.audit import AuditLog
 from privlm.service.chat import ChatCompletionRequest
-from tests.gateway.conftest import (
+from tests.support.chat import (
     EPS,
     TIMEOUT,
     WORDS,

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from privlm.cape.service.privacy import PromptPrivacy
-from tests.gateway.conftest import EPS, TIMEOUT, B, StubUpstream, assert_openai_error, chat_body, chat_gateway
+from tests.support.chat import EPS, TIMEOUT, B, StubUpstream, assert_openai_error, chat_body, chat_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,8 @@ CASES: list[tuple[str, Any, dict[str, str], str | None, str]] = [
 
 
 @pytest.fixture(scope="module")
-def gateway(gateway_lm, stub) -> Iterator[str]:
-    privacy = PromptPrivacy.cape(gateway_lm, epsilon=EPS, logit_bound=B, max_prompt_tokens=MAX_PROMPT_TOKENS)
+def gateway(smollm2_lm, stub) -> Iterator[str]:
+    privacy = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, max_prompt_tokens=MAX_PROMPT_TOKENS)
     with chat_gateway(privacy, stub.url) as url:
         yield url
 

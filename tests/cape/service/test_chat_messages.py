@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from privlm.cape.service.chat import ChatOptions
-from tests.gateway.conftest import TIMEOUT, StubUpstream, assert_openai_error, chat_gateway
+from tests.support.chat import TIMEOUT, StubUpstream, assert_openai_error, chat_gateway
 
 pytestmark = pytest.mark.slow
 

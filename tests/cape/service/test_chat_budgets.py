@@ -18,7 +18,7 @@ import pytest
 from privlm.accounting import Ledger
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
-from tests.gateway.conftest import EPS, TIMEOUT, B, StubUpstream, assert_openai_error, chat_body, chat_gateway
+from tests.support.chat import EPS, TIMEOUT, B, StubUpstream, assert_openai_error, chat_body, chat_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +40,11 @@ def budgeted(cape_privacy, tmp_path_factory) -> Budgeted:
 
 
 @pytest.fixture
-def gateway_on_ledger(gateway_lm, stub, budgeted):
+def gateway_on_ledger(smollm2_lm, stub, budgeted):
     """A factory: a gateway with keys A and B on a fresh Ledger object over the module's ledger file."""
     def start() -> Any:
         ledger = Ledger(budgeted.ledger_path, budgets={PrivacyUnit.EPSILON: budgeted.budget})
-        privacy = PromptPrivacy.cape(gateway_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
+        privacy = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
         # The per-caller cap on requests in flight (8 by default with keys) is lifted: all 32 reach the ledger.
         return chat_gateway(privacy, stub.url, api_keys=[KEY_A, KEY_B], max_in_flight=2 * N_REQUESTS,
                             max_in_flight_per_caller=2 * N_REQUESTS)

@@ -14,8 +14,8 @@ from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
 from privlm.service.chat import ChatCompletionRequest
 from privlm.service.upstream import ChatUpstream
-from tests.gateway.conftest import FAILING, TIMEOUT, assert_openai_error, chat_body, chat_gateway, fake_privacy
 from tests.service.localhost import serving
+from tests.support.chat import FAILING, TIMEOUT, assert_openai_error, chat_body, chat_gateway, fake_privacy
 
 GUARDRAIL = "/beta/litellm_basic_guardrail_api"
 

@@ -1,0 +1,40 @@
+"""The token-level baselines in the text-mechanism registry (:mod:`privlm.models.text_mechanisms`), by name, each
+on the device model's candidate vocabulary and in its class's own ledger unit.
+
+    santext, santext+ SANTEXT and SANTEXT+ (w = 0.9, p = 0.3)
+    custext, custext+ CUSTEXT and CUSTEXT+ (K = 20 output sets)
+    inferdpt          InferDPT's RANTEXT (no fitted epsilon curve)
+    text2text         Text2Text: d_chi noise and the nearest candidate; its epsilon is the d_chi level eta
+
+The papers used GloVe, counter-fitted vectors or ada-002 embeddings; here every one uses the device model's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from privlm.accounting import Ledger
+from privlm.baselines.custext import Custext, CustextPlus
+from privlm.baselines.inferdpt import InferDPT
+from privlm.baselines.santext import SanText, SanTextPlus
+from privlm.baselines.text2text import Text2TextPerturber
+from privlm.baselines.token_level import TokenLevelBaseline
+from privlm.models.perturbation import TextPerturber
+from privlm.models.text_mechanisms import MechanismContext, register_text_mechanism
+
+
+def _register(name: str, label: str, description: str, cls: type[TokenLevelBaseline]) -> None:
+    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
+              principal: str) -> TextPerturber:
+        return cls(context.vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
+
+    register_text_mechanism(name, build, label=label, family="baseline", unit=cls.unit, description=description)
+
+
+_register("santext", "SANTEXT", "SANTEXT: exp(-eps d / 2) over every candidate", SanText)
+_register("santext+", "SANTEXT+", "SANTEXT+: the least frequent 90% sensitive, others resampled w.p. 0.3",
+          SanTextPlus)
+_register("custext", "CUSTEXT", "CUSTEXT: K = 20 output sets, every token perturbed", Custext)
+_register("custext+", "CUSTEXT+", "CUSTEXT+: stopwords and punctuation kept", CustextPlus)
+_register("inferdpt", "InferDPT", "InferDPT's RANTEXT: Laplace radius, exp(eps u / 2) inside it", InferDPT)
+_register("text2text", "Text2Text", "Text2Text: d_chi noise (eta = epsilon), nearest candidate", Text2TextPerturber)

@@ -1,0 +1,49 @@
+"""Cape and two ablations in the text-mechanism registry (:mod:`privlm.models.text_mechanisms`), by name.
+
+    cape              Cape: lambda_L = 0.5, lambda_D = 1.0, 50 buckets
+    cape-distance     Cape with lambda_L = 0: embedding distance only, no device-model forward pass
+    cape-unbucketed   Cape without bucketing: the plain exponential mechanism on the hybrid utility
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from privlm.accounting import Ledger
+from privlm.cape.calibration import LogitBound
+from privlm.cape.model import Cape
+from privlm.models.perturbation import TextPerturber
+from privlm.models.text_mechanisms import Factory, MechanismContext, register_text_mechanism
+
+
+def _logit_bound(context: MechanismContext) -> LogitBound | float | None:
+    bound = context.logit_bound
+    if bound is None or isinstance(bound, LogitBound | float | int):
+        return bound
+    raise TypeError(f"Cape's logit bound must be a LogitBound or a number, got {type(bound).__name__}")
+
+
+def _cape_factory(name: str, options: Mapping[str, Any]) -> Factory:
+    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
+              principal: str) -> TextPerturber:
+        cape = Cape(context.device_model, epsilon=epsilon, logit_bound=_logit_bound(context), generator=generator,
+                    ledger=ledger, principal=principal, **options)
+        cape.name = name  # reports and ledger notes name the variant
+        return cape
+    return build
+
+
+def _register(name: str, label: str, description: str, **options: Any) -> None:
+    """``options``: Cape's keyword arguments where the variant differs from Cape."""
+    register_text_mechanism(name, _cape_factory(name, options), label=label, family="cape", unit=Cape.unit,
+                            description=description, options=options,
+                            needs_logit_bound=options.get("lambda_L", 0.5) != 0)
+
+
+_register("cape", "Cape", "Cape: lambda_L = 0.5, lambda_D = 1.0, 50 buckets")
+_register("cape-distance", "Cape, distance only", "Cape with lambda_L = 0 (no contextual logits)", lambda_L=0.0)
+_register("cape-unbucketed", "Cape, no buckets", "Cape without bucketing (plain exponential mechanism)",
+          n_buckets=None)

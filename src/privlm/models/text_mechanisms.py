@@ -1,0 +1,136 @@
+"""Token-level text mechanisms by name: a registry that Cape and the baselines fill from their own packages.
+
+Every mechanism is a :class:`~privlm.models.perturbation.TextPerturber` built at a level from a shared
+:class:`MechanismContext`: the device model, whose tokenizer, candidate vocabulary and input embedding table
+every mechanism uses (so a comparison is like for like), and Cape's calibrated logit bound B.
+
+A package registers its mechanisms when it is imported, as peft's methods do (``register_peft_method``):
+``privlm.cape`` registers cape, cape-distance and cape-unbucketed, ``privlm.baselines`` santext(+),
+custext(+), inferdpt and text2text. Whoever looks a mechanism up by name imports those packages first.
+It lives on the models floor, the lowest that both systems share and that knows what a perturber is.
+
+The levels are not on one scale: Cape's and CUSTEXT's epsilon bound a per-token log-ratio, SANTEXT's,
+InferDPT's and Text2Text's scale with the embedding distance of the two tokens (metric DP; their ledger
+unit is eta-tokens). Compare them at equal attack success, not at equal epsilon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, get_args
+
+import torch
+
+from privlm.accounting import Ledger
+from privlm.mechanisms import PrivacyUnit
+from privlm.models.language import LanguageModel
+from privlm.models.perturbation import TextPerturber
+from privlm.models.vocabulary import CandidateVocabulary
+
+Family = Literal["cape", "baseline"]
+_FAMILY_ORDER = get_args(Family)  # listings show Cape's variants first, whichever package was imported first
+
+
+
+
+class CalibratedBound(Protocol):
+    """Cape's logit bound B as a calibration gives it (``privlm.cape.LogitBound``), without importing Cape."""
+
+    @property
+    def value(self) -> float: ...
+
+
+@dataclass(frozen=True, eq=False)
+class MechanismContext:
+    """What every mechanism is built from: the device model and Cape's logit bound B (None: uncalibrated)."""
+
+    device_model: LanguageModel
+    logit_bound: CalibratedBound | float | None = None
+
+    @property
+    def vocabulary(self) -> CandidateVocabulary:
+        return self.device_model.vocabulary
+
+
+Factory = Callable[[MechanismContext, float, torch.Generator | None, Ledger | None, str], TextPerturber]
+"""``(context, level, generator, ledger, principal)`` -> a fresh perturber that charges ``ledger`` first."""
+
+
+@dataclass(frozen=True)
+class TextMechanism:
+    """A named mechanism: ``build(context, epsilon=, generator=)`` gives a fresh perturber at that level.
+
+    ``name`` is the registry name ("santext+"); ``key`` the same with "+" spelled "-plus", usable as a
+    benchmark method key. ``unit`` is the ledger unit its releases are charged in (the perturber's own);
+    ``options`` the keyword arguments its factory passes on; ``needs_logit_bound``: it reads B.
+    """
+
+    name: str
+    label: str
+    family: Family
+    unit: PrivacyUnit
+    description: str
+    factory: Factory = field(compare=False)
+    options: Mapping[str, object] = field(default_factory=dict, compare=False)
+    needs_logit_bound: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("+", "-plus")
+
+    def build(self, context: MechanismContext, *, epsilon: float, generator: torch.Generator | None = None,
+              ledger: Ledger | None = None, principal: str = "local") -> TextPerturber:
+        """``ledger``: charged under ``principal`` before every release (None: nothing recorded)."""
+        return self.factory(context, epsilon, generator, ledger, principal)
+
+
+_REGISTRY: dict[str, TextMechanism] = {}
+
+
+def register_text_mechanism(name: str, factory: Factory, *, label: str, family: Family, unit: PrivacyUnit,
+                            description: str, options: Mapping[str, object] | None = None,
+                            needs_logit_bound: bool = False) -> TextMechanism:
+    """Make ``name`` buildable by name. A name (or its key) already taken is refused."""
+    mechanism = TextMechanism(name, label, family, PrivacyUnit(unit), description, factory, dict(options or {}),
+                              needs_logit_bound)
+    taken = {n for m in _REGISTRY.values() for n in (m.name, m.key)}
+    if name in taken or mechanism.key in taken:
+        raise ValueError(f"a text mechanism named {name!r} is already registered")
+    _REGISTRY[name] = mechanism
+    return mechanism
+
+
+def text_mechanism_names() -> tuple[str, ...]:
+    """Every registered name: Cape's variants first, then the baselines, each in the order they registered."""
+    return tuple(m.name for m in sorted(_REGISTRY.values(), key=lambda m: _FAMILY_ORDER.index(m.family)))
+
+
+def text_mechanism(name: str) -> TextMechanism:
+    """The mechanism ``name`` (its registry name, or its key: "santext-plus" for "santext+")."""
+    found = None
+    if isinstance(name, str):
+        found = _REGISTRY.get(name) or next((m for m in _REGISTRY.values() if m.key == name), None)
+    if found is None:
+        raise ValueError(f"unknown mechanism {name!r}; known: {', '.join(text_mechanism_names())}")
+    return found
+
+
+def text_mechanisms(names: Iterable[str] | None = None) -> tuple[TextMechanism, ...]:
+    """Several mechanisms by name, in the order given, each once (None: every one registered); an unknown name
+    is refused."""
+    if isinstance(names, str):
+        raise ValueError("names must be a list of mechanism names, not one string")
+    found = tuple(dict.fromkeys(text_mechanism(name) for name in (text_mechanism_names() if names is None
+                                                                  else names)))
+    if not found:
+        raise ValueError(f"no mechanism named; known: {', '.join(text_mechanism_names())}")
+    return found
+
+
+def build_mechanism(name: str, context: MechanismContext, *, epsilon: float, generator: torch.Generator | None = None,
+                    ledger: Ledger | None = None, principal: str = "local") -> TextPerturber:
+    """A fresh perturber ``name`` at ``epsilon`` on ``context``'s device model, charging ``ledger`` under
+    ``principal`` when given."""
+    return text_mechanism(name).build(context, epsilon=epsilon, generator=generator, ledger=ledger,
+                                      principal=principal)

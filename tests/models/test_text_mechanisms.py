@@ -1,0 +1,58 @@
+"""The text-mechanism registry: Cape and the baselines register by name, each in its own unit, and price their own
+releases."""
+
+import pytest
+
+import privlm.baselines
+import privlm.cape  # noqa: F401 (Cape's variants register by name)
+from privlm.accounting import Ledger
+from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.models.perturbation import TextPerturber
+from privlm.models.text_mechanisms import (
+    MechanismContext,
+    register_text_mechanism,
+    text_mechanism,
+    text_mechanism_names,
+    text_mechanisms,
+)
+
+NAMES = ("cape", "cape-distance", "cape-unbucketed", "santext", "santext+", "custext", "custext+", "inferdpt",
+         "text2text")
+METRIC_DP = {"santext", "santext+", "text2text"}  # scale with the embedding distance: charged in eta-tokens
+
+
+def test_every_mechanism_is_listed_cape_first():
+    assert text_mechanism_names() == NAMES
+    assert [m.name for m in text_mechanisms()] == list(NAMES)
+    assert {m.name: m.unit for m in text_mechanisms()} == {
+        name: PrivacyUnit.ETA_TOKEN if name in METRIC_DP else PrivacyUnit.EPSILON for name in NAMES}
+    assert [m.name for m in text_mechanisms() if m.needs_logit_bound] == ["cape", "cape-unbucketed"]
+
+
+def test_a_wrong_name_is_refused_with_the_names_to_choose_from():
+    with pytest.raises(ValueError, match="unknown mechanism 'nope'; known: " + ", ".join(NAMES).replace("+", "\\+")):
+        text_mechanism("nope")
+    with pytest.raises(ValueError, match="not one string"):
+        text_mechanisms("cape")
+    assert text_mechanism("custext-plus") is text_mechanism("custext+")  # a key finds its mechanism
+
+
+@pytest.mark.parametrize("taken", ["cape", "santext+", "santext-plus"])
+def test_a_name_or_key_already_registered_is_refused(taken):
+    before = text_mechanism_names()
+    with pytest.raises(ValueError, match="already registered"):
+        register_text_mechanism(taken, text_mechanism("cape").factory, label="again", family="cape",
+                                unit=PrivacyUnit.EPSILON, description="a second cape")
+    assert text_mechanism_names() == before
+
+
+def test_each_mechanism_builds_reports_its_unit_and_charges_its_own_price(tiny_masked_lm, tmp_path):
+    context = MechanismContext(tiny_masked_lm, logit_bound=10.0)
+    for mechanism in text_mechanisms():
+        ledger = Ledger(tmp_path / f"{mechanism.key}.db", budgets={mechanism.unit: 1e9})
+        perturber = mechanism.build(context, epsilon=3.0, generator=make_generator(0), ledger=ledger,
+                                    principal="alice")
+        assert isinstance(perturber, TextPerturber) and perturber.unit == mechanism.unit
+        report = perturber.perturb("Alice flew to Boston with her sister").report
+        assert report.mechanism == mechanism.name and report.accounting["privlm"] > 0
+        assert ledger.spent("alice", mechanism.unit) == pytest.approx(report.accounting["privlm"]) == report.spent
