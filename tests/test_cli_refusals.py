@@ -67,6 +67,7 @@ def _stub(status: int) -> FastAPI:
     return stub
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [None, "not-a-key-of-this-vendor"])
 def test_finding_7_a_customer_the_vendor_refuses_gets_one_line_and_exit_status_1(vendor_model, labelled, tmp_path,
                                                                                key):
@@ -76,6 +77,7 @@ def test_finding_7_a_customer_the_vendor_refuses_gets_one_line_and_exit_status_1
     _one_line_error(result, "401")
 
 
+@pytest.mark.slow
 def test_finding_7_a_vendor_that_fails_or_cannot_be_reached_is_one_line_too(labelled, tmp_path):
     with serving(_stub(500)) as url:
         failed = _privlm(["sap", "customer", url, "--data", str(labelled)], tmp_path, **{CUSTOMER_KEY_ENV: KEYS[0]})
@@ -86,6 +88,7 @@ def test_finding_7_a_vendor_that_fails_or_cannot_be_reached_is_one_line_too(labe
     _one_line_error(unreachable, "no answer after")
 
 
+@pytest.mark.slow
 def test_finding_7_the_gateway_refused_by_its_snd_server_is_one_line_too(tmp_path):
     """Another command, another client (SnD's): the one-line error is the CLI's, not one command's."""
     with serving(_stub(401)) as url:
@@ -109,6 +112,7 @@ def _with_value(args: list[str], option: str, value: str) -> list[str]:
     return [*args[:at], value, *args[at + 1:]]
 
 
+@pytest.mark.slow
 def test_finding_7_the_documented_vendor_and_customer_commands_work_together(vendor_model, labelled, tmp_path):
     """docs/sap.md's two command lines, as written, on the test's model and with one short epoch: the customer
     gets the vendor's key from where the documented line says."""

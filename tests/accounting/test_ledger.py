@@ -82,6 +82,7 @@ def _spend_in_threads(path: str, barrier, threads: int) -> int:
         return sum(pool.map(one, range(threads)))
 
 
+@pytest.mark.slow
 def test_64_concurrent_spends_from_several_processes_never_pass_the_budget(tmp_path):
     path = str(tmp_path / "ledger.db")
     Ledger(path, budgets={"epsilon": 20.0})

@@ -44,6 +44,7 @@ def tokens(generator):
     return ids, attention
 
 
+@pytest.mark.slow
 def test_at_k0_it_matches_nearest_neighbour(generator, tokens):
     """Identity bottom, d_chi noise where NN gets about half right: the relaxed attack lands on NN's answer."""
     ids, attention = tokens
@@ -65,6 +66,7 @@ def test_at_k0_it_matches_nearest_neighbour(generator, tokens):
     assert set(result.details) >= {"steps", "lr", "temperature", "seconds"} and result.details["seconds"] > 0
 
 
+@pytest.mark.slow
 def test_recovers_unnoised_k1_outputs(tiny_split, tokens):
     bottom, _ = tiny_split
     ids, attention = tokens

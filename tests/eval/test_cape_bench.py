@@ -126,6 +126,7 @@ def tiny_run(tmp_path_factory):
     return bench, out, report, files
 
 
+@pytest.mark.slow
 def test_the_tiny_run_writes_one_row_per_point_with_provenance(tiny_run):
     _, out, _, _ = tiny_run
     payload = json.loads((out / "results.json").read_text())
@@ -153,6 +154,7 @@ def test_the_tiny_run_writes_one_row_per_point_with_provenance(tiny_run):
     assert by_point[("cape", 2.0)]["knn_trials"] == by_point[("cape-unbucketed", 20.0)]["knn_trials"]
 
 
+@pytest.mark.slow
 def test_the_tiny_run_writes_claims_and_plots(tiny_run):
     _, out, _, files = tiny_run
     claims = (out / "claims.md").read_text()
@@ -166,6 +168,7 @@ def test_the_tiny_run_writes_claims_and_plots(tiny_run):
     assert out / "claims.md" in files
 
 
+@pytest.mark.slow
 def test_speed_is_measured_side_by_side_and_rendered(tiny_run, tmp_path):
     bench = tiny_run[0]
     figures = measure_speed(bench, setting=SpeedSetting(prompts=1, repeats=1), console=Console(quiet=True))

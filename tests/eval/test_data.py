@@ -458,6 +458,7 @@ def test_glue_sst2_keeps_literal_quotes_and_refuses_unlabelled_test_files(tmp_pa
 # ---------------------------------------------------------------- public corpus and named tasks
 
 
+@pytest.mark.slow
 @needs_wordnet
 @needs_fortunes
 def test_public_corpus_is_a_deduplicated_unlabelled_mix():

@@ -7,6 +7,8 @@ import socket
 import threading
 from dataclasses import replace
 
+import pytest
+
 from privlm.eval.sweeps.hardening import QUICK, Body, HardeningRun, chunked_post, legal_texts, run_hardening
 from privlm.provenance import git_commit
 from tests.models.tiny import tiny_bert_folder
@@ -38,6 +40,7 @@ def test_chunked_post_reads_an_answer_sent_before_the_whole_body():
     assert result.sent_mib < 64
 
 
+@pytest.mark.slow
 def test_the_driver_runs_on_tiny_sizes_and_records_its_provenance(tmp_path):
     model = tiny_bert_folder(tmp_path / "tiny")
     sizes = replace(QUICK, upload_mib=20, cap_s=20.0, inputs=8, token_cap=200, issue_tokens=400)

@@ -205,6 +205,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return tiny_bert_with_minilm_tokenizer(tmp_path_factory.mktemp("tiny-bert"), blocks=5)
 
 
+@pytest.mark.slow
 def test_every_kind_of_run_on_a_tiny_model(tiny_model, tmp_path):
     setting = SapBenchSetting.quick(model=str(tiny_model), runs=(), k0_etas=(50.0,), cti_etas=(50.0,), deep_blocks=(2,),
                                     deep_etas=(5.0,), trainable_etas=(50.0,), head_eta=50.0, epochs=2)
@@ -232,6 +233,7 @@ def test_every_kind_of_run_on_a_tiny_model(tiny_model, tmp_path):
         ("k2-none", "k0-none"), ("k2-eta5", "k0-eta50")}
 
 
+@pytest.mark.slow
 def test_a_crashed_sweep_resumes(tiny_model, tmp_path):
     setting = SapBenchSetting.quick(model=str(tiny_model), runs=("k0-none", "k0-eta60"))
     first = json.loads(run_sap_bench(setting, tmp_path, _quiet())[0].read_text())
@@ -288,6 +290,7 @@ def _check_the_report_renders_again(folder: Path) -> None:
     assert (folder / "results.md").read_text() == written and (folder / "privacy_utility.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_the_service_bench_compares_http_with_one_process(tiny_model, tmp_path):
     from privlm.eval.sweeps.sap_service import ServiceBenchSetting, run_service_bench
 

@@ -13,6 +13,7 @@ QUIET = Console(quiet=True)
 BATCH = SnDEncoder.__init__.__kwdefaults__["batch_size"]
 
 
+@pytest.mark.slow
 def test_snd_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
     folder = tiny_bert_folder(tmp_path / "model")
     model = SplitModel.from_pretrained(folder, device="cpu")

@@ -228,6 +228,7 @@ def tweet_report():
     return data, tokenizer, report
 
 
+@pytest.mark.slow
 def test_tweets_exempt_at_most_one_percent_and_negative_words_lead_the_negative_class(tweet_report):
     data, tokenizer, report = tweet_report
     assert report.k >= 1 and report.covered_share <= 0.01

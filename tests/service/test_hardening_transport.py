@@ -128,6 +128,7 @@ class Slow:
             self.closed_after = time.monotonic() - self.started
 
 
+@pytest.mark.slow
 def test_finding_10_slow_headers_and_bodies_are_cut_off_while_others_are_served():
     """20 slow connections (8 trickle their headers, 4 the headers of a second request on a kept-alive
     connection, 8 their body) against header_timeout=1 s and body_timeout=2 s: every one is closed by the

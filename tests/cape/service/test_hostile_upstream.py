@@ -311,6 +311,7 @@ def test_finding_2_the_cap_is_exact_and_holds_for_stream_events_and_stream_error
 
 
 # -- finding 3: --upstream-timeout was not a deadline ---------------------------------------------------------
+@pytest.mark.slow
 def test_finding_3_a_trickling_answer_is_cut_at_the_deadline_with_a_504(hostile):
     """A byte every 0.3 s (about two minutes for the whole answer) against a 2 s deadline: a 504 long before
     the answer would end (the old per-read timeout never fired)."""
@@ -323,6 +324,7 @@ def test_finding_3_a_trickling_answer_is_cut_at_the_deadline_with_a_504(hostile)
     assert elapsed < WAIT_S / 2  # the deadline, not the trickle, ended it (a generous bound on a shared machine)
 
 
+@pytest.mark.slow
 def test_finding_3_a_request_cut_at_the_deadline_gives_back_the_keys_in_flight_place(hostile):
     """One place in flight per key: held while the trickle runs (a second request is a 429), free again once
     the deadline cuts it (the next request goes through)."""
@@ -341,6 +343,7 @@ def test_finding_3_a_request_cut_at_the_deadline_gives_back_the_keys_in_flight_p
         assert asyncio.run(scenario(url)) == (429, 504, 200)
 
 
+@pytest.mark.slow
 def test_finding_3_a_stream_that_never_ends_is_cut_at_the_deadline(hostile):
     """Whole events every 0.1 s for a minute (never idle) against a 2 s deadline: the events so far, then an
     error event, within the deadline's time."""
@@ -447,6 +450,7 @@ def test_note_retries_a_refund_is_a_row_of_its_own_and_never_takes_a_total_below
         ledger.refund("caller", [Spend(PrivacyUnit.EPSILON, -1.0)], note="refund: test")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "status"), [("hostile:500", 502), ("hostile:429", 429),
                                                ("hostile:trickle", 504), ("hostile:huge-declared", 502)])
 def test_note_retries_a_failure_after_sending_is_charged_once_and_not_retried(hostile, ledger_path, model, status):

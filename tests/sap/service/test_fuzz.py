@@ -3,6 +3,7 @@
 are reached."""
 
 import httpx
+import pytest
 import schemathesis
 
 from privlm.sap.service.routes import SAP_MESSAGE, SESSIONS_PATH
@@ -14,6 +15,7 @@ from tests.service.localhost import serving
 schemathesis.serializer.alias(SAP_MESSAGE, "application/octet-stream")  # SAP messages travel as their bytes
 
 
+@pytest.mark.slow
 def test_no_operation_answers_5xx(vendor_model, tmp_path):
     app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
     headers = {"Authorization": f"Bearer {KEYS[0]}"}

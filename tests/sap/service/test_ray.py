@@ -13,7 +13,7 @@ from tests.sap.conftest import LABELS, TEXTS
 from tests.sap.service.conftest import KEYS
 from tests.service.localhost import start_privlm_on_free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one local Ray cluster at a time
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time
 VALIDATION, VALIDATION_LABELS = TEXTS[:4], LABELS[:4]
 
 

@@ -67,6 +67,7 @@ def test_a_remote_fit_equals_the_in_process_one(vendor_model, tmp_path, head):
     assert report.account["eta_tokens"] == local.account.eta_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainable", [False, True])
 @pytest.mark.parametrize("restart_at", [9, 13])
 def test_a_restarted_vendor_resumes_and_the_result_is_the_same(vendor_model, tmp_path, trainable, restart_at):
@@ -229,6 +230,7 @@ def test_the_store_holds_safetensors_and_json_only(vendor_model, tmp_path):
     assert not any(b"\x80\x04\x95" in p.read_bytes()[:16] for p in files)  # no pickle stream
 
 
+@pytest.mark.slow
 def test_killing_the_vendor_process_mid_epoch(vendor_model, tmp_path):
     """The vendor's process is killed (SIGKILL) mid-epoch and started again on the same store and port; the
     customer rides it out (retries with back-off), resumes, and ends with the adapter of an uninterrupted run."""
@@ -336,6 +338,7 @@ def test_idle_sessions_leave_memory_not_the_store_and_keys_have_a_quota(vendor_m
         assert httpx.get(f"{url}{SESSIONS_PATH}/{second['id']}", headers=headers).status_code == 200
 
 
+@pytest.mark.slow
 def test_early_stopping_selects_the_best_epoch_and_a_restart_keeps_it(vendor_model, tmp_path):
     """With patience 1 the run stops once validation has not improved; the vendor serves the chosen epoch's
     adapter, and still does after a restart (the selection is checkpointed)."""

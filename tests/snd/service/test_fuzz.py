@@ -2,6 +2,8 @@
 never a 5xx, every answer documented, schema-invalid requests (a body without its X-Privlm-* headers,
 malformed header values) refused."""
 
+import pytest
+
 from privlm.models import SplitModel
 from privlm.snd.service.server import create_app
 from tests.models.tiny import tiny_bert_folder
@@ -9,6 +11,7 @@ from tests.service.fuzz import fuzz_openapi
 from tests.service.localhost import serving
 
 
+@pytest.mark.slow
 def test_no_operation_answers_5xx(tmp_path):
     model = SplitModel.from_pretrained(tiny_bert_folder(tmp_path), device="cpu")
     with serving(create_app(model, denoiser_dirs=[])) as url:

@@ -83,6 +83,7 @@ def test_request_bytes_are_bounded_before_parsing(stack):
     assert response.status_code == 413 and response.json()["error"]["param"] == "max_request_bytes"
 
 
+@pytest.mark.slow
 def test_the_gateway_openapi_never_answers_5xx(stack):
     from tests.service.fuzz import fuzz_openapi
 

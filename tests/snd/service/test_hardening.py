@@ -401,6 +401,7 @@ def timed_post(url: str, key: str, texts: list[str]) -> tuple[int, float]:
     return status, time.perf_counter() - started
 
 
+@pytest.mark.slow
 def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny_bert, tmp_path):
     """Alice keeps 8 requests of 4 batches in flight against a saturated server (0.25 s per encode, one at a
     time: 8 s of work). Bob's one-text request, sent meanwhile, waits for the batch in progress and his own
@@ -435,6 +436,7 @@ class SlowTokenizer:
         return getattr(self.inner, name)
 
 
+@pytest.mark.slow
 def test_finding_7_tokenizing_a_big_request_does_not_hold_others(tiny_bert, tmp_path):
     """Tokenizing alice's 2,048 texts takes 4 s (2 ms a text, one tokenizer); bob's one text, sent meanwhile,
     is tokenized between two of her 64-text turns, so he waits well under a second, not the 4 s."""
@@ -481,6 +483,7 @@ def test_finding_7_one_caller_cannot_fill_every_place_in_flight():
     assert statuses == [200, 200, 200]
 
 
+@pytest.mark.slow
 def test_finding_8_a_client_started_with_the_server_rides_out_its_cold_start(tmp_path):
     """`privlm serve` (MiniLM) and a Client with default settings start together: the server takes about
     9 s to answer, longer than the old retry budget (about 8 s); the client waits and encodes."""

@@ -13,7 +13,7 @@ from privlm.snd import Client
 from privlm.wire import RAW, read_rows, write_sequences
 from tests.service.localhost import start_privlm_on_free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one local Ray cluster at a time
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time
 KEY = "ray-test-key"
 
 
