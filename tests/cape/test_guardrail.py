@@ -35,6 +35,7 @@ from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
 from tests.cape.conftest import PROMPT, B
 from tests.service.localhost import serving
+from tests.support.chat import in_order
 
 EPS = 6.0
 # LiteLLM's own test fixture for a virtual key's hash (tests/.../test_generic_guardrail_api.py).
@@ -90,16 +91,6 @@ def litellm_body(texts: list[str] | None = None, *, messages: list[dict[str, Any
 
 def post(client: httpx.Client, body: object, **headers: str) -> httpx.Response:
     return client.post(GUARDRAIL_PATH, json=body, headers={"Content-Type": "application/json", **headers})
-
-
-def in_order(text: str, pieces: tuple[str, ...]) -> bool:
-    at = 0
-    for piece in pieces:
-        at = text.find(piece, at)
-        if at < 0:
-            return False
-        at += len(piece)
-    return True
 
 
 def _broken(epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> Any:

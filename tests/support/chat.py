@@ -138,6 +138,17 @@ def chat_body(*texts: str, model: str = "stub-model", **fields: Any) -> dict[str
     return {"model": model, "messages": [{"role": "user", "content": text} for text in texts], **fields}
 
 
+def in_order(text: str, pieces: tuple[str, ...]) -> bool:
+    """Whether ``pieces`` occur in ``text`` in this order (stopwords a mechanism must send unchanged)."""
+    at = 0
+    for piece in pieces:
+        at = text.find(piece, at)
+        if at < 0:
+            return False
+        at += len(piece)
+    return True
+
+
 def sse_events(raw: bytes) -> list[bytes]:
     """The events of an SSE body, each with its trailing blank line (as the stub wrote them)."""
     return [event + b"\n\n" for event in raw.replace(b"\r\n", b"\n").split(b"\n\n") if event.strip()]

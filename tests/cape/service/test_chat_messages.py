@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from privlm.cape.service.chat import ChatOptions
-from tests.support.chat import TIMEOUT, StubUpstream, assert_openai_error, chat_gateway
+from tests.support.chat import TIMEOUT, StubUpstream, assert_openai_error, chat_gateway, in_order
 
 pytestmark = pytest.mark.slow
 
@@ -78,16 +78,6 @@ def forward(url: str, stub: StubUpstream, body: dict[str, Any]) -> tuple[httpx.R
     assert response.status_code == 200, response.text
     [received] = stub.received()
     return response, received
-
-
-def in_order(text: str, pieces: tuple[str, ...]) -> bool:
-    at = 0
-    for piece in pieces:
-        at = text.find(piece, at)
-        if at < 0:
-            return False
-        at += len(piece)
-    return True
 
 
 def test_only_user_text_is_perturbed_and_everything_else_is_forwarded_as_sent(gateways, stub):
