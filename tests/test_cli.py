@@ -63,3 +63,37 @@ def test_nearest_neighbour_attack_fails_at_strong_and_succeeds_at_weak_eta(minil
     assert sum(strong) / len(strong) < 0.2
     assert weak.success_rate == 1.0
     assert weak.cosine_to_clean > 0.3
+
+
+WITHOUT_PLUGINS = """
+import importlib.metadata as metadata
+import sys
+
+import privlm.plugins
+
+real = metadata.entry_points
+privlm.plugins.entry_points = lambda **kw: () if kw.get("group") == "privlm.commands" else real(**kw)
+from privlm.cli import app
+
+sys.argv = ["privlm", *sys.argv[1:]]
+app()
+"""
+
+
+@pytest.mark.parametrize("command", [["bench", "snd", "--out", "x"], ["serve-llm", "--port", "1"]])
+def test_without_the_bench_kit_its_commands_say_how_to_install_it(command):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", WITHOUT_PLUGINS, *command], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert f"`privlm {command[0]}` needs the bench kit" in result.stderr
+    assert "pip install -e src/privlm_bench" in result.stderr
+
+
+def test_the_bench_kit_adds_its_commands_through_its_entry_point():
+    from privlm.plugins import bench_installed, command_plugins
+    from privlm_bench.cli import add_commands
+
+    assert bench_installed() and command_plugins()["bench"] is add_commands

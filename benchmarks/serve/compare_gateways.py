@@ -5,7 +5,7 @@
 
 Each round starts a fresh server and gateway from each code base in turn (the older code through
 PYTHONPATH) and measures the server alone and the gateway with `openai` clients, with the same code
-(`privlm.eval.sweeps.serve_load`) driving both. Requests the gateway refuses are counted, not timed.
+(`privlm_bench.snd.serve_load`) driving both. Requests the gateway refuses are counted, not timed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import openai
 
-from privlm.eval.data import named_task, split_dataset
+from privlm_bench.data import named_task, split_dataset
 from privlm.eval.sweeps import serve_load
 from privlm.models import SplitModel
 from privlm.provenance import provenance

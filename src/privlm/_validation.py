@@ -33,6 +33,19 @@ def check_non_negative_finite(name: str, value: object) -> float:
     return value
 
 
+def check_in_interval(name: str, value: object, low: float, high: float, *, low_open: bool = False,
+                      high_open: bool = False) -> float:
+    """Return ``value`` as a float, or raise ``ValueError`` if it is not a finite real number in ``[low, high]``
+    (an end excluded when ``low_open``/``high_open``)."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    number = float(value) if isinstance(value, Real) and not isinstance(value, bool) else math.nan
+    above = low < number if low_open else low <= number
+    below = number < high if high_open else number <= high
+    if not (math.isfinite(number) and above and below):
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+    return number
+
+
 def check_positive_int(name: str, value: object) -> int:
     """Return ``value`` or raise ``ValueError`` if it is not an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

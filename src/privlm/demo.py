@@ -9,8 +9,8 @@
    SDK, and one OpenAI-format request through the gateway.
 6. Private chat through the same gateway (printed as step 5: steps 1 and 2 share one heading): a prompt
    with personal details sent with the ``openai`` client (plain httpx where ``openai`` is not installed: the
-   demo needs nothing from the dev extra) to ``privlm serve-llm``, a local SmolLM2 chat server; what the
-   upstream received, the report and its answer.
+   demo needs nothing from the dev extra) to ``privlm serve-llm``, a local SmolLM2 chat server from the bench
+   kit (without it, this step says how to install it); what the upstream received, the report and its answer.
 7. SAP (printed as step 6): ``privlm sap vendor`` on localhost; a customer fine-tunes LoRA through it on 48
    tweets for one epoch, keeping texts, labels and the head, then asks for one private prediction.
 """
@@ -35,6 +35,7 @@ from privlm.mechanisms import (
     project_to_vocabulary,
 )
 from privlm.models import SplitModel
+from privlm.plugins import BENCH_MISSING, bench_installed
 from privlm.service.process import free_port, start_privlm, stop
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
@@ -146,7 +147,7 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
 def sap_section(console: Console, seed: int | None) -> None:
     """A vendor (`privlm sap vendor`) on localhost; a customer fine-tunes on a few tweets it keeps, with its labels
     and the head at home, then asks for a private prediction."""
-    from privlm.eval.data import load_tweets
+    from privlm.data import load_tweets
     from privlm.sap import Client, SapConfig
 
     port = free_port()
@@ -169,15 +170,15 @@ def sap_section(console: Console, seed: int | None) -> None:
         finally:
             if vendor is not None:
                 stop(vendor)
-    traffic, account = report.traffic["by_purpose"], report.account
+    traffic, account = report.traffic.by_purpose, report.account
     console.print(f"{len(train.texts)} tweets, {report.steps} steps at eta {SAP_ETA:g}: the vendor received "
                   f"{traffic['upload']['bytes_to_vendor'] / 1e6:.1f} MB of privatized token rows once, then "
-                  f"{report.traffic['bytes_to_vendor'] / 1e6 - traffic['upload']['bytes_to_vendor'] / 1e6:.2f} MB of "
+                  f"{report.traffic.bytes_to_vendor / 1e6 - traffic['upload']['bytes_to_vendor'] / 1e6:.2f} MB of "
                   "example ids, dL/dh and inference rows: no text, token ids or labels as such (the rows can "
                   "still be inverted, and dL/dh still clusters by label: docs/sap.md measures both)")
-    console.print(f"spent {account['eta_tokens']:.0f} eta-tokens ({account['noised_positions']} positions noised, "
-                  f"{account['exact_positions']} special tokens sent as they are); validation accuracy "
-                  f"{report.validation_accuracy:.2f} on {len(validation.texts)} tweets (1 epoch: a smoke test, "
+    console.print(f"spent {account.eta_tokens:.0f} eta-tokens ({account.noised_positions} positions noised, "
+                  f"{account.exact_positions} special tokens sent as they are); validation accuracy "
+                  f"{report.best.validation_accuracy:.2f} on {len(validation.texts)} tweets (1 epoch: a smoke test, "
                   "`privlm bench sap` measures it); vendor stopped")
     labels = ("negative", "neutral", "positive")
     console.print(f"private prediction for {SAP_QUESTION!r}: "
@@ -230,13 +231,16 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
             table.add_row(text, f"{float(e_n[i] @ clean[i]):.3f}", f"{float(denoised[i] @ clean[i]):.3f}",
                           f"{hits:.0%} of tokens")
         console.print(table)
+        chat = bench_installed()  # the local chat upstream, `privlm serve-llm`, is the bench kit's
         with console.status("Starting privlm serve-llm (the local chat upstream) and privlm gateway..."):
-            processes.append(start_privlm(["serve-llm", "--port", str(llm_port)], f"{llm_url}/health"))
-            bound_file = bound.save(Path(scratch.name) / "logit_bound.json")
+            chat_options: list[str] = []
+            if chat:
+                processes.append(start_privlm(["serve-llm", "--port", str(llm_port)], f"{llm_url}/health"))
+                bound_file = bound.save(Path(scratch.name) / "logit_bound.json")
+                chat_options = ["--chat-upstream", llm_url, "--epsilon", f"{CAPE_EPSILON:g}",
+                                "--logit-bound", str(bound_file)]
             processes.append(start_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}",
-                                           "--chat-upstream", llm_url, "--epsilon", f"{CAPE_EPSILON:g}",
-                                           "--logit-bound", str(bound_file), "--port", str(gateway_port)],
-                                          f"{gateway_url}/health"))
+                                           *chat_options, "--port", str(gateway_port)], f"{gateway_url}/health"))
         response = httpx.post(f"{gateway_url}/v1/embeddings", timeout=60,
                               json={"model": "privlm-snd-minilm", "input": [SND_SENTENCES[0]]})
         response.raise_for_status()
@@ -245,7 +249,11 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
         console.print(f"OpenAI-format request -> gateway -> private round trip: {len(vector)}-d embedding, "
                       f"cos to the non-private one {float(vector @ clean[0]):.3f}, "
                       f"{answer['usage']['prompt_tokens']} tokens, eta {response.headers['x-privlm-eta']} per token")
-        chat_section(console, gateway_url)
+        if chat:
+            chat_section(console, gateway_url)
+        else:
+            console.print(f"\n[bold]5. Private chat[/bold]: skipped: `privlm serve-llm`, its local upstream, "
+                          f"{BENCH_MISSING}.")
     finally:
         stop(*processes)
         scratch.cleanup()

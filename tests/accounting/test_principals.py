@@ -25,7 +25,7 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit
-from privlm.sap.service.routes import SESSIONS_PATH
+from privlm.sap.service.wire import SESSIONS_PATH
 from privlm.service.audit import AuditLog
 from tests.sap.service.conftest import KEYS as VENDOR_KEYS
 from tests.sap.service.test_vendor_server import _app as vendor_app

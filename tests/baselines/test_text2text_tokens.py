@@ -14,8 +14,16 @@ import torch
 from transformers import BertTokenizerFast
 
 from privlm.attacks import audit_mechanism
-from privlm.baselines.text2text import Text2TextMechanism, Text2TextPerturber, release_nearest
-from privlm.mechanisms import DChiLaplace, DiscreteMechanism, Mechanism, PrivacyUnit, exact_privacy_loss, make_generator
+from privlm.baselines.text2text import Text2Text, Text2TextMechanism, Text2TextPerturber, release_nearest
+from privlm.mechanisms import (
+    DChiLaplace,
+    DiscreteMechanism,
+    Mechanism,
+    PrivacyUnit,
+    exact_privacy_loss,
+    make_generator,
+    project_to_vocabulary,
+)
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import TextPerturber, TokenOutcome
 from privlm.models.prompts import NonSensitiveTokens, tokenize_prompt
@@ -106,6 +114,20 @@ def test_the_release_is_the_candidate_nearest_to_the_noisy_row(cloud):
     noisy = noise.sample(rows, num_samples=200, generator=make_generator(8))
     released = release_nearest(noise, rows, cloud.candidate_embeddings, generator=make_generator(8), num_samples=200)
     assert torch.equal(released, torch.cdist(noisy.double(), cloud.candidate_embeddings.double()).argmin(-1))
+
+
+def test_both_text2text_classes_release_the_shared_projection_of_their_noisy_rows(cloud, tiny_bert):
+    """The one nearest-row projection (ties to the lowest id), whatever the chunking."""
+    mechanism = Text2TextMechanism(cloud, eta=3.0, chunk_size=7)
+    x = torch.tensor([1, 6, 50])
+    noisy = mechanism.noise.sample(cloud.rows_of(x), num_samples=50, generator=make_generator(3))
+    expected = project_to_vocabulary(noisy, cloud.candidate_embeddings, chunk_size=1)
+    assert torch.equal(mechanism.sample(x, num_samples=50, generator=make_generator(3)), expected)
+    released = Text2Text(tiny_bert, eta=5.0, generator=make_generator(4), chunk_size=3).privatize(["a b c"])
+    clean = tiny_bert.embed_tokens(released.batch.input_ids[released.perturbed])
+    noisy = DChiLaplace(eta=5.0).sample(clean, generator=make_generator(4))
+    assert torch.equal(released.released_ids[released.perturbed],
+                       project_to_vocabulary(noisy, tiny_bert.embedding_matrix))
 
 
 def test_sampled_outputs_follow_the_exact_1d_law(line):

@@ -24,6 +24,15 @@ def test_chunk_size_does_not_change_the_answer(generator):
         assert torch.equal(project_to_vocabulary(queries, vocab, chunk_size=chunk), reference)
 
 
+def test_a_tie_goes_to_the_lowest_id():
+    vocab = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [2.0, 0.0]])  # rows 1 and 2 are the same point
+    queries = torch.tensor([[1.0, 0.0], [0.5, 0.0], [1.5, 0.0], [1.0, 5.0]])  # on 1 = 2; 0 | 1 = 2; 1 = 2 | 3; 1 = 2
+    for chunk in (1, 4):
+        assert project_to_vocabulary(queries, vocab, chunk_size=chunk).tolist() == [1, 0, 1, 1]
+    norms = vocab.pow(2).sum(dim=-1)
+    assert project_to_vocabulary(queries, vocab, vocabulary_sq_norms=norms).tolist() == [1, 0, 1, 1]
+
+
 def test_vocabulary_rows_project_to_themselves(generator):
     vocab = torch.randn(1000, 32, generator=generator)
     assert torch.equal(project_to_vocabulary(vocab, vocab), torch.arange(1000))

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
+import privlm.sap.privatizer as privatizer_module
 from privlm.attacks import audit_mechanism
-from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.mechanisms import DChiLaplace, PrivacyUnit, make_generator, squared_distances
 from privlm.sap import EmbeddingPrivatizer, HiddenStatePrivatizer, Release
 from tests.conftest import BAD_POSITIVE_REALS, P_THRESHOLD
 
@@ -212,6 +214,42 @@ def test_every_noised_release_is_a_vocabulary_row_and_exact_positions_are_untouc
     assert release.spend.amount == pytest.approx(1.0 * int(release.noised.sum()))  # neither special nor exempt
     released_ids = ids_of(release.values[release.noised], SQUARE)
     assert (released_ids != ids[release.noised]).float().mean() > 0.2  # the noise does move tokens
+
+
+class _Recorded(DChiLaplace):
+    """The real d_chi noise, each noisy batch kept in ``drawn``."""
+
+    drawn: ClassVar[list[torch.Tensor]] = []
+
+    def sample(self, x: torch.Tensor, **options: object) -> torch.Tensor:
+        self.drawn.append(super().sample(x, **options))  # type: ignore[arg-type]
+        return self.drawn[-1]
+
+
+def test_the_projection_is_the_nearest_row_chunk_by_chunk_to_the_bit(monkeypatch):
+    """Over 1024 noised positions (two chunks of squared distances): every release is the row argmin picks over
+    ||x||^2 - 2 x.e + ||e||^2 per chunk of 1024, as SAP's privatizer always projected (so releases stay the same)."""
+    monkeypatch.setattr(privatizer_module, "DChiLaplace", _Recorded)
+    _Recorded.drawn.clear()
+    table = torch.randn(50, 8, generator=make_generator(30))
+    ids = torch.randint(0, 50, (30, 40), generator=make_generator(31))
+    release = embedding_release(EmbeddingPrivatizer(table, eta=2.0), ids, ones_mask(ids), seed=32, table=table)
+    (noisy,) = _Recorded.drawn
+    assert noisy.shape[0] > 1024
+    norms = table.pow(2).sum(dim=-1)
+    expected = torch.cat([squared_distances(chunk, table, norms).argmin(dim=-1) for chunk in noisy.split(1024)])
+    assert torch.equal(ids_of(release.values[release.noised], table), expected)
+
+
+def test_a_tie_goes_to_the_lowest_id(monkeypatch):
+    """Noise that lands on the square's centre is equally far from its four corners: the release is row 0."""
+    centre = torch.tensor([0.5, 0.5], dtype=SQUARE.dtype)
+    landing = type("Landing", (), {"__init__": lambda self, eta: None,
+                                   "sample": lambda self, x, generator: centre.expand_as(x).clone()})
+    monkeypatch.setattr(privatizer_module, "DChiLaplace", landing)
+    ids = torch.tensor([[3, 2, 1]])
+    release = embedding_release(EmbeddingPrivatizer(SQUARE, eta=1.0), ids, ones_mask(ids), seed=33)
+    assert ids_of(release.values[0], SQUARE).tolist() == [0, 0, 0]
 
 
 def test_exempt_eta_noises_exempt_positions_at_their_own_level_and_charges_it():

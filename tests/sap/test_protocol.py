@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.mechanisms import PrivacyUnit
+from privlm.models.batching import pad_ids
 from privlm.sap import (
     CutGradient,
     Forward,
@@ -28,7 +29,6 @@ from privlm.sap import (
     from_bytes,
     to_bytes,
 )
-from privlm.sap.customer import pad_ids
 from privlm.sap.messages import CustomerMessage
 from tests.sap.conftest import LABELS, TEXTS
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from privlm.models.chat import ChatModel, Generation
-from privlm.service.llm_server import create_llm_app
+from privlm_bench.chat.llm_server import create_llm_app
 from tests.service.localhost import serving
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from privlm.models import SplitModel, TokenEmbedder
-from privlm.snd.calibration import _interpolate, calibrate_eta, sample_text_tokens
-from privlm.snd.cost import wire_bytes
+from privlm_bench.snd.calibration import _interpolate, calibrate_eta, sample_text_tokens
+from privlm_bench.snd.cost import wire_bytes
 from tests.snd.conftest import TEXTS
 
 

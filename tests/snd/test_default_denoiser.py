@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from privlm.eval.data import named_task
 from privlm.mechanisms import make_generator
 from privlm.snd import SnDEncoder, default_denoiser_dir, read_card
+from privlm_bench.data import named_task
 
 pytestmark = pytest.mark.slow
 

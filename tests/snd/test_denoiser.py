@@ -101,8 +101,8 @@ def test_too_long_input_is_refused():
 
 
 @pytest.mark.parametrize(("field", "value"), [("dim", 0), ("n_heads", 5), ("variant", "both"), ("eta_min", -1.0),
-                                              ("dropout", 1.0)])
+                                              ("dropout", 1.0), ("dim", "32"), ("eta_max", float("inf"))])
 def test_bad_config_is_rejected_by_name(field, value):
     kwargs = {"dim": 32, "n_heads": 4, "d_ff": 64, field: value}
-    with pytest.raises(ValueError, match=r"dim|n_heads|variant|eta_min|dropout"):
+    with pytest.raises(ValueError, match=r"dim|n_heads|variant|eta_min|eta_max|dropout"):
         DenoiserConfig(**kwargs)

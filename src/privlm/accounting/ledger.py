@@ -12,7 +12,6 @@ are migrated by :meth:`Ledger.adopt_keys`.
 from __future__ import annotations
 
 import logging
-import math
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from privlm._validation import check_positive_finite
+from privlm._validation import check_non_negative_finite, check_positive_finite
 from privlm.accounting.principals import (
     LEGACY_KEY_ID,
     PrincipalHasher,
@@ -188,8 +187,7 @@ class Ledger:
         if not principal:
             raise ValueError("principal must be a non-empty id")
         for spend in spends:
-            if not (math.isfinite(spend.amount) and spend.amount >= 0):
-                raise ValueError(f"spend amount must be finite and >= 0, got {spend.amount}")
+            check_non_negative_finite("spend amount", spend.amount)
         budgets = {PrivacyUnit(s.unit): self.budget(PrivacyUnit(s.unit)) for s in spends}
         receipts = []
         with self._connection() as db:
@@ -226,8 +224,7 @@ class Ledger:
         in one transaction: each is recorded as its own row (a negative amount, with ``note``) and the total
         reduced, never below zero. Each receipt holds the amount given back and the total after it."""
         for spend in spends:
-            if not (math.isfinite(spend.amount) and spend.amount >= 0):
-                raise ValueError(f"refund amount must be finite and >= 0, got {spend.amount}")
+            check_non_negative_finite("refund amount", spend.amount)
         receipts = []
         with self._connection() as db:
             db.execute("BEGIN IMMEDIATE")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from numbers import Real
 from typing import Literal
 
 import numpy as np
@@ -36,7 +35,7 @@ import torch
 from rich.progress import Progress
 from scipy import stats
 
-from privlm._validation import check_non_negative_finite, check_positive_int
+from privlm._validation import check_in_interval, check_non_negative_finite, check_positive_int
 from privlm.mechanisms import DiscreteMechanism, Mechanism, OutputKind, exact_privacy_loss, make_generator
 
 Kind = OutputKind  # "continuous" (vectors) or "discrete" (ids)
@@ -85,9 +84,7 @@ def clopper_pearson_upper(count: np.ndarray | int, n: int, level: float) -> np.n
 
 
 def _check_alpha(alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, Real) or not 0 < float(alpha) < 1:
-        raise ValueError(f"alpha must be a number in (0, 1), got {alpha!r}")
-    return float(alpha)
+    return check_in_interval("alpha", alpha, 0, 1, low_open=True, high_open=True)
 
 
 def _log_ratio_bound(count_a: np.ndarray, count_b: np.ndarray, n: int, level: float) -> np.ndarray:

@@ -24,16 +24,14 @@ from typing import Any, Literal
 import numpy as np
 from scipy import stats
 
-from privlm._validation import check_choice, check_positive_int
+from privlm._validation import check_choice, check_in_interval, check_positive_int
 
 CiMethod = Literal["bootstrap", "normal"]
 CI_METHODS: tuple[CiMethod, ...] = ("bootstrap", "normal")
 
 
 def _check_confidence(confidence: object) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, int | float) or not 0 < confidence < 1:
-        raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
-    return float(confidence)
+    return check_in_interval("confidence", confidence, 0, 1, low_open=True, high_open=True)
 
 
 def _check_counts(successes: object, trials: object) -> tuple[int, int]:
@@ -78,8 +76,8 @@ class AttackResult:
         object.__setattr__(self, "successes", successes)
         object.__setattr__(self, "trials", trials)
         object.__setattr__(self, "confidence", _check_confidence(self.confidence))
-        if self.chance is not None and not (isinstance(self.chance, int | float) and 0 <= self.chance <= 1):
-            raise ValueError(f"chance must be None or a number in [0, 1], got {self.chance!r}")
+        if self.chance is not None:
+            check_in_interval("chance", self.chance, 0, 1)
 
     @property
     def rate(self) -> float:

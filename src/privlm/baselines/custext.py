@@ -161,9 +161,6 @@ class Custext(TokenLevelBaseline):
             raise ValueError(f"output_sets were built with k={output_sets.k}, not k={self.k}")
         self.mechanism = CustextMechanism(vocabulary, output_sets, self.epsilon)
 
-    def release(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]
-
 
 class CustextPlus(Custext):
     """CUSTEXT+: CUSTEXT that keeps the non-sensitive tokens (English stopwords and punctuation by default)."""

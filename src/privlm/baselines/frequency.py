@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite
+from privlm._validation import check_float_tensor, check_in_interval
 from privlm.models.vocabulary import CandidateVocabulary
 
 DEFAULT_LANGUAGE = "en"
@@ -67,7 +67,7 @@ def least_frequent_mask(frequencies: torch.Tensor, fraction: float) -> torch.Ten
     ``frequencies`` is in candidate order, which is ascending token id, so position order is id order.
     """
     check_float_tensor("frequencies", frequencies, ndim=1)
-    fraction = check_fraction("w", fraction)
+    fraction = check_in_interval("w", fraction, 0, 1, low_open=True)
     n = frequencies.numel()
     count = min(n, math.ceil(fraction * n))
     order = torch.sort(frequencies, stable=True).indices  # stable: equal frequencies keep id order
@@ -80,11 +80,3 @@ def least_frequent(vocabulary: CandidateVocabulary, fraction: float, *,
                    language: str = DEFAULT_LANGUAGE) -> torch.Tensor:
     """(|C|,) bool on the vocabulary's device: SANTEXT+'s sensitive candidates at fraction w."""
     return least_frequent_mask(token_frequencies(vocabulary, language=language), fraction).to(vocabulary.device)
-
-
-def check_fraction(name: str, value: object) -> float:
-    """A number in (0, 1]."""
-    value = check_positive_finite(name, value)
-    if value > 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value}")
-    return value

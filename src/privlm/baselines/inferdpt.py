@@ -479,6 +479,8 @@ class InferDPT(TokenLevelBaseline):
                  "InferDPTMechanism.pair_bound), composed over the tokens of prompts of the same length; the "
                  "paper's eps per token is unsound (the candidate set is centred on the true token)")
 
+    mechanism: InferDPTMechanism
+
     def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, generator: torch.Generator | None = None,
                  ledger: Ledger | None = None, principal: str = "local") -> None:
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
@@ -489,6 +491,3 @@ class InferDPT(TokenLevelBaseline):
 
     def accounting(self, n_perturbed: int) -> dict[str, float]:
         return {"paper": self.epsilon * n_perturbed, "privlm": self.per_token_cost() * n_perturbed}
-
-    def release(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]

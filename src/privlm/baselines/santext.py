@@ -46,13 +46,14 @@ positions), one independent release per id; outputs are candidate indices (0 .. 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_non_negative_finite, check_positive_finite, check_positive_int
+from privlm._validation import check_in_interval, check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
-from privlm.baselines.frequency import check_fraction, least_frequent
+from privlm.baselines.frequency import least_frequent
 from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.mechanisms import OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import resolve_generator
@@ -79,12 +80,6 @@ def check_token_ids(name: str, token_ids: object, vocabulary: CandidateVocabular
     return token_ids.to(device=vocabulary.device, dtype=torch.long)
 
 
-def check_probability(name: str, value: object) -> float:
-    """A number in [0, 1]."""
-    value = check_non_negative_finite(name, value)
-    if value > 1:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
-    return value
 
 
 def distance_rows(vocabulary: CandidateVocabulary, token_ids: torch.Tensor) -> torch.Tensor:
@@ -108,9 +103,19 @@ def pair_distances(vocabulary: CandidateVocabulary, x: torch.Tensor, x_prime: to
     return (rows - rows_prime).norm(dim=-1)
 
 
-def in_blocks(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A flat id tensor in blocks of at most CHUNK_POSITIONS."""
-    return ids.reshape(-1).split(CHUNK_POSITIONS)
+def laws_in_blocks(x: torch.Tensor, law: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``law`` (ids -> (n, |C|) log-probabilities) of every id of ``x``, CHUNK_POSITIONS ids at a time:
+    shape (*x.shape, |C|)."""
+    return torch.cat([law(block) for block in x.reshape(-1).split(CHUNK_POSITIONS)]).reshape(*x.shape, -1)
+
+
+def draw_in_blocks(x: torch.Tensor, law: Callable[[torch.Tensor], torch.Tensor], *, num_samples: int | None,
+                   generator: torch.Generator) -> torch.Tensor:
+    """One draw of ``law`` per id of ``x`` (:func:`sample_rows`), CHUNK_POSITIONS ids at a time: shape x.shape
+    (``num_samples=m``: (m, *x.shape))."""
+    draws = [sample_rows(law(block), num_samples=num_samples, generator=generator)
+             for block in x.reshape(-1).split(CHUNK_POSITIONS)]
+    return torch.cat(draws, dim=-1).reshape(draws_shape(x, num_samples))
 
 
 def sample_rows(log_probabilities: torch.Tensor, *, num_samples: int | None,
@@ -167,8 +172,7 @@ class SanTextMechanism:
     def log_probabilities(self, x: torch.Tensor) -> torch.Tensor:
         """Exact float64 log-probabilities, shape (*x.shape, |C|): one distance row per id."""
         x = check_token_ids("x", x, self.vocabulary)
-        rows = [self._log_probabilities(block) for block in in_blocks(x)]
-        return torch.cat(rows).reshape(*x.shape, -1)
+        return laws_in_blocks(x, self._log_probabilities)
 
     def _log_probabilities(self, ids: torch.Tensor) -> torch.Tensor:
         return santext_log_probabilities(distance_rows(self.vocabulary, ids), epsilon=self.epsilon)
@@ -178,9 +182,7 @@ class SanTextMechanism:
         """Candidate indices of shape x.shape (``num_samples=m``: (m, *x.shape)), by inverse-CDF draws."""
         x = check_token_ids("x", x, self.vocabulary)
         generator = resolve_generator(generator, self.vocabulary.device)
-        draws = [sample_rows(self._log_probabilities(block), num_samples=num_samples, generator=generator)
-                 for block in in_blocks(x)]
-        return torch.cat(draws, dim=-1).reshape(draws_shape(x, num_samples))
+        return draw_in_blocks(x, self._log_probabilities, num_samples=num_samples, generator=generator)
 
     def privacy_bound(self, x: torch.Tensor, x_prime: torch.Tensor) -> float:
         """eps * sum_i ||phi(x_i) - phi(x'_i)||_2 (metric DP, composed over positions)."""
@@ -211,7 +213,7 @@ class SanTextPlusMechanism:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "epsilon", check_positive_finite("epsilon", self.epsilon))
-        object.__setattr__(self, "p", check_probability("p", self.p))
+        object.__setattr__(self, "p", check_in_interval("p", self.p, 0, 1))
         mask = self.sensitive
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (self.vocabulary.size,):
             raise ValueError(f"sensitive must be a bool tensor of shape ({self.vocabulary.size},), one flag per "
@@ -224,7 +226,7 @@ class SanTextPlusMechanism:
     def from_frequencies(cls, vocabulary: CandidateVocabulary, epsilon: float, *, w: float = 0.9,
                          p: float = 0.3) -> SanTextPlusMechanism:
         """S = the least frequent fraction w of the candidates by public (wordfreq) frequency."""
-        return cls(vocabulary, epsilon, least_frequent(vocabulary, check_fraction("w", w)), p)
+        return cls(vocabulary, epsilon, least_frequent(vocabulary, check_in_interval("w", w, 0, 1, low_open=True)), p)
 
     @property
     def output_kind(self) -> OutputKind:
@@ -238,8 +240,7 @@ class SanTextPlusMechanism:
     def restricted_log_probabilities(self, x: torch.Tensor) -> torch.Tensor:
         """ln P_S(y | x): SANTEXT's law restricted to S, shape (*x.shape, |C|)."""
         x = check_token_ids("x", x, self.vocabulary)
-        rows = [self._restricted(block) for block in in_blocks(x)]
-        return torch.cat(rows).reshape(*x.shape, -1)
+        return laws_in_blocks(x, self._restricted)
 
     def _restricted(self, ids: torch.Tensor) -> torch.Tensor:
         return santext_log_probabilities(distance_rows(self.vocabulary, ids), epsilon=self.epsilon,
@@ -271,9 +272,7 @@ class SanTextPlusMechanism:
         """Draws of P_S(. | x): candidate indices in S, shape x.shape (or (m, *x.shape))."""
         x = check_token_ids("x", x, self.vocabulary)
         generator = resolve_generator(generator, self.vocabulary.device)
-        draws = [sample_rows(self._restricted(block), num_samples=num_samples, generator=generator)
-                 for block in in_blocks(x)]
-        return torch.cat(draws, dim=-1).reshape(draws_shape(x, num_samples))
+        return draw_in_blocks(x, self._restricted, num_samples=num_samples, generator=generator)
 
     def sample(self, x: torch.Tensor, *, num_samples: int | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
@@ -316,9 +315,6 @@ class SanText(TokenLevelBaseline):
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
         self.mechanism = SanTextMechanism(vocabulary, self.epsilon)
 
-    def release(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]
-
 
 class SanTextPlus(TokenLevelBaseline):
     """SANTEXT+ on prompts: sensitive tokens always resampled; frequent ones resampled w.p. p, else KEPT."""
@@ -330,10 +326,12 @@ class SanTextPlus(TokenLevelBaseline):
                  "the sensitive positions; a frequent token has no guarantee (kept verbatim w.p. 1 - p). The totals "
                  "charge eps (eta-token) per token that went through the mechanism, an upper bound")
 
+    mechanism: SanTextPlusMechanism
+
     def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, w: float = 0.9, p: float = 0.3,
                  generator: torch.Generator | None = None, ledger: Ledger | None = None,
                  principal: str = "local") -> None:
-        w, p = check_fraction("w", w), check_probability("p", p)  # before the frequency table is built
+        w, p = check_in_interval("w", w, 0, 1, low_open=True), check_in_interval("p", p, 0, 1)  # before the table
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
         self.w = w
         self.mechanism = SanTextPlusMechanism.from_frequencies(vocabulary, self.epsilon, w=w, p=p)

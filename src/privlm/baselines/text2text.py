@@ -35,7 +35,7 @@ from privlm.accounting import Ledger
 from privlm.baselines.common import text_positions
 from privlm.baselines.neighbours import check_token_ids
 from privlm.baselines.token_level import TokenLevelBaseline
-from privlm.mechanisms import DChiLaplace, OutputKind, PrivacyUnit, Spend, make_generator, squared_distances
+from privlm.mechanisms import DChiLaplace, OutputKind, PrivacyUnit, Spend, make_generator, project_to_vocabulary
 from privlm.models import SplitModel, TokenBatch
 from privlm.models.batching import map_in_length_order
 from privlm.models.prompts import NonSensitiveTokens
@@ -47,16 +47,11 @@ def release_nearest(noise: DChiLaplace, rows: torch.Tensor, table: torch.Tensor,
                     table_squared_norms: torch.Tensor | None = None) -> torch.Tensor:
     """Index of the ``table`` row nearest (L2) to each noisy row rows + z: shape rows.shape[:-1] ((m, ...)).
 
-    One matrix product per chunk of ``chunk_size`` noisy rows. ``table_squared_norms`` (computed once by the
-    caller) saves a pass over the table per call.
+    The projection is :func:`~privlm.mechanisms.project_to_vocabulary`'s, ``chunk_size`` noisy rows at a time;
+    ``table_squared_norms`` (computed once by the caller) saves a pass over the table per call.
     """
-    chunk_size = check_positive_int("chunk_size", chunk_size)
     noisy = noise.sample(rows, num_samples=num_samples, generator=generator)
-    table = table.to(device=noisy.device, dtype=noisy.dtype)
-    norms = table.pow(2).sum(dim=-1) if table_squared_norms is None else table_squared_norms.to(table)
-    flat = noisy.reshape(-1, noisy.shape[-1])
-    nearest = [squared_distances(chunk, table, norms).argmin(dim=-1) for chunk in flat.split(chunk_size)]
-    return torch.cat(nearest).reshape(noisy.shape[:-1])
+    return project_to_vocabulary(noisy, table, chunk_size=chunk_size, vocabulary_sq_norms=table_squared_norms)
 
 
 @dataclass
@@ -166,6 +161,3 @@ class Text2TextPerturber(TokenLevelBaseline):
     @property
     def eta(self) -> float:
         return self.epsilon
-
-    def release(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]

@@ -1,8 +1,8 @@
 """The shared driver of the token-level baselines (SANTEXT, CUSTEXT, InferDPT, Text2Text).
 
 A baseline says, per token, whether it is perturbed (``outcomes``) and how a perturbed token is
-released (``release``: one draw per position, vectorised). The driver tokenizes with
-:func:`~privlm.models.prompts.tokenize_prompt`, charges the ledger before anything is drawn, and
+released (``release``: one draw per position, vectorised; by default a draw of its ``mechanism``). The driver
+tokenizes with :func:`~privlm.models.prompts.tokenize_prompt`, charges the ledger before anything is drawn, and
 builds the text and the report of :mod:`privlm.models.perturbation`. Every token gets an outcome;
 none is dropped, and none is kept unless a rule says so and the report shows it. The ledger is charged for
 a whole batch before anything is drawn, for every token that may go through the mechanism.
@@ -10,14 +10,13 @@ a whole batch before anything is drawn, for every token that may go through the 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Self
 
 import torch
 
 from privlm.accounting import Ledger
-from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.mechanisms import Mechanism, PrivacyUnit, make_generator
 from privlm.models import check_texts
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
@@ -30,23 +29,24 @@ from privlm.models.perturbation import (
     token_records,
 )
 from privlm.models.prompts import NonSensitiveTokens, PromptTokens, tokenize_prompt
+from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
 
 
-class TokenLevelBaseline(ABC):
-    """Tokenize, choose outcomes, spend, release, report. Subclasses give ``outcomes`` and ``release``."""
+class TokenLevelBaseline:
+    """Tokenize, choose outcomes, spend, release, report. Subclasses give ``outcomes`` and ``mechanism`` (a
+    token-id mechanism whose outputs are candidate indices), or their own ``release``."""
 
     name: str = "token-level"
     unit: PrivacyUnit = PrivacyUnit.EPSILON
     guarantee: str = ""
+    mechanism: Mechanism
 
     def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float,
                  non_sensitive: NonSensitiveTokens | None = None, generator: torch.Generator | None = None,
                  ledger: Ledger | None = None, principal: str = "local") -> None:
-        from privlm._validation import check_positive_finite
-
         self._vocabulary = vocabulary
-        self.epsilon = check_positive_finite("epsilon", epsilon)
+        self.epsilon = check_epsilon(epsilon)
         self.non_sensitive = non_sensitive  # None: every token is perturbed
         self.generator = generator or make_generator(device=vocabulary.device)
         self.ledger, self.principal = ledger, principal
@@ -67,9 +67,9 @@ class TokenLevelBaseline(ABC):
         return [TokenOutcome.UNKNOWN if unknown else TokenOutcome.NON_SENSITIVE if kept else TokenOutcome.PERTURBED
                 for kept, unknown in zip(listed, prompt.unknown, strict=True)]
 
-    @abstractmethod
     def release(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Released token ids (n,) for input token ids (n,): one independent draw per position."""
+        return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]
 
     def per_token_cost(self) -> float:
         """What one perturbed token costs in the ledger, in ``unit``."""

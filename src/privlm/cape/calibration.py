@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from privlm._validation import check_positive_finite
+from privlm._validation import check_in_interval, check_positive_finite
 
 FORMAT = "privlm.cape.logit-bound/1"
 
@@ -34,7 +34,7 @@ class LogitBound:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "value", check_positive_finite("logit bound value", self.value))
-        check_quantile(self.quantile)
+        check_in_interval("quantile", self.quantile, 0, 1, low_open=True)
         if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
             raise ValueError("model_fingerprint must be a non-empty string")
 
@@ -59,12 +59,6 @@ class LogitBound:
             return cls(**content)
         except TypeError as error:
             raise ValueError(f"{path} is not a valid Cape logit bound: {error}") from None
-
-
-def check_quantile(quantile: object) -> float:
-    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
-        raise ValueError(f"quantile must be a number in (0, 1], got {quantile!r}")
-    return float(quantile)
 
 
 def bound_from_logits(magnitudes: torch.Tensor, quantile: float) -> float:

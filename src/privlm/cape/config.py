@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from privlm._validation import check_choice, check_non_negative_finite, check_positive_finite, check_positive_int
+from privlm.models.text_mechanisms import check_epsilon
 
 OnUncalibrated = Literal["error", "calibrate"]
 ON_UNCALIBRATED: tuple[OnUncalibrated, ...] = ("error", "calibrate")
@@ -28,7 +29,7 @@ class CapeConfig:
     batch_size: int = 16
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", check_positive_finite("epsilon", self.epsilon))
+        object.__setattr__(self, "epsilon", check_epsilon(self.epsilon))
         object.__setattr__(self, "lambda_L", check_non_negative_finite("lambda_L", self.lambda_L))
         object.__setattr__(self, "lambda_D", check_non_negative_finite("lambda_D", self.lambda_D))
         if self.lambda_L == 0 and self.lambda_D == 0:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from privlm._validation import check_in_interval
 from privlm.accounting import Ledger
 from privlm.cape.accounting import (
     GUARANTEE,
@@ -33,7 +34,7 @@ from privlm.cape.accounting import (
     paper_total,
     privlm_total,
 )
-from privlm.cape.calibration import LogitBound, bound_from_logits, check_quantile
+from privlm.cape.calibration import LogitBound, bound_from_logits
 from privlm.cape.config import CapeConfig, OnUncalibrated
 from privlm.cape.sampling import CapeBucketizedMechanism
 from privlm.cape.utility import (
@@ -145,7 +146,7 @@ class Cape:
     def calibrate(self, texts: Sequence[str], *, quantile: float = 1.0) -> LogitBound:
         """Set B to the ``quantile`` of |logits| over the candidate columns at every position of ``texts``."""
         check_texts(texts)
-        quantile = check_quantile(quantile)
+        quantile = check_in_interval("quantile", quantile, 0, 1, low_open=True)
         prompts = [self._tokenize(text) for text in texts]
         kept, n_logits = [], 0
         for batch in _batches(prompts, self.config.batch_size):

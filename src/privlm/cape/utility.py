@@ -32,6 +32,7 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerBase
 
+from privlm.models.batching import pad_ids
 from privlm.models.language import LanguageModel
 from privlm.models.vocabulary import CandidateVocabulary
 
@@ -81,17 +82,6 @@ def chunk_of(n_tokens: int, room: int) -> list[int]:
     return [i // room for i in range(n_tokens)]
 
 
-def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right padding: (ids, attention mask), both (len(rows), longest)."""
-    longest = max(len(r) for r in rows)
-    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, :len(row)] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     for pad in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
         if pad is not None:
@@ -106,7 +96,7 @@ def causal_inputs(model: LanguageModel, queries: list[Query]) -> tuple[torch.Ten
     """
     start, _ = wrapping(model)
     rows = [[*start, *q.ids[:max(q.positions)]] for q in queries]
-    ids, mask = _pad(rows, _pad_id(model.tokenizer), model.device)
+    ids, mask = pad_ids(rows, _pad_id(model.tokenizer), model.device)
     keep = torch.zeros_like(mask, dtype=torch.bool)
     for row, q in enumerate(queries):
         keep[row, list(q.positions)] = True
@@ -126,7 +116,7 @@ def masked_inputs(model: LanguageModel, queries: list[Query]) -> tuple[torch.Ten
             row[len(start) + position] = mask_id
             rows.append(row)
             at.append(len(start) + position)
-    ids, mask = _pad(rows, _pad_id(model.tokenizer), model.device)
+    ids, mask = pad_ids(rows, _pad_id(model.tokenizer), model.device)
     keep = torch.zeros_like(mask, dtype=torch.bool)
     keep[torch.arange(len(rows)), torch.tensor(at, dtype=torch.long)] = True
     return ids, mask, keep

@@ -1,6 +1,9 @@
-"""The ``privlm`` command line: the root app, with one module per system registering its commands."""
+"""The ``privlm`` command line: the root app, with one module per system registering its commands, and the
+commands of installed plugins (the bench kit)."""
 
-from privlm.cli import baselines, cape, chat_bench, gateway, llm, sap, sap_bench, snd  # noqa: F401 - registers commands
-from privlm.cli.app import app
+from privlm.cli import cape, gateway, sap, snd  # noqa: F401 - registers commands
+from privlm.cli.app import add_plugin_commands, app
+
+add_plugin_commands()
 
 __all__ = ["app"]

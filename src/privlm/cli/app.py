@@ -1,10 +1,10 @@
-"""The root ``privlm`` command, the ``bench`` group, and what every system's commands share."""
+"""The root ``privlm`` command, its plugins' commands (the bench kit's), and what every system's commands share."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -41,9 +41,6 @@ class _FailedRequestsAsOneLine(TyperGroup):
 
 app = typer.Typer(help="privlm: use language models without handing your text to the provider.",
                   no_args_is_help=True, pretty_exceptions_show_locals=False, cls=_FailedRequestsAsOneLine)
-bench_app = typer.Typer(help="Benchmarks: named sweeps that write results.json, results.md and plots.",
-                        no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
 # Wide tables stay readable when the output is piped (make, CI logs).
 console = Console(width=None if sys.stdout.isatty() else 120)
 
@@ -62,6 +59,17 @@ def parse_levels(text: str) -> list[float]:
     if not levels or any(not (level > 0) or level == float("inf") for level in levels):
         raise typer.BadParameter(f"levels must be finite and > 0, got {text!r}")
     return levels
+
+
+def parse_counts(text: str, *, minimum: int, flag: str) -> tuple[int, ...]:
+    """Comma-separated integers, each >= ``minimum``; anything else is a usage error naming ``flag``."""
+    try:
+        counts = tuple(int(part) for part in parse_list(text))
+    except ValueError:
+        counts = ()
+    if not counts or any(count < minimum for count in counts):
+        raise typer.BadParameter(f"expected comma-separated integers >= {minimum}, got {text!r}", param_hint=flag)
+    return counts
 
 
 def parse_list(text: str) -> tuple[str, ...]:
@@ -89,17 +97,22 @@ def models() -> None:
     console.print(table)
 
 
-@bench_app.command("report")
-def bench_report(directory: Annotated[Path, typer.Argument(help="A folder holding results.json.")]) -> None:
-    """Re-render results.md, the plots and the sweep's own reports (e.g. claims.md) from its results.json."""
-    import json
+def add_plugin_commands() -> None:
+    """The commands of installed plugins (:mod:`privlm.plugins`); without the bench kit, ``privlm bench`` and
+    ``privlm serve-llm`` say how to install it."""
+    from privlm.plugins import BENCH_COMMANDS, BENCH_MISSING, bench_installed, command_plugins
 
-    from privlm.eval.bench import render_report
-    from privlm.eval.registry import sweep_entry
+    for add_commands in command_plugins().values():
+        add_commands(app)
+    if not bench_installed():
+        for name in BENCH_COMMANDS:
+            app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+                        help=f"(Not installed) `privlm {name}` {BENCH_MISSING}.")(_not_installed(name, BENCH_MISSING))
 
-    if not (directory / "results.json").exists():
-        raise typer.BadParameter(f"{directory} has no results.json")
-    entry = sweep_entry(json.loads((directory / "results.json").read_text())["metadata"]["sweep"])
-    files = entry.render(directory) if entry.render is not None else \
-        [*render_report(directory, known=entry.methods), *entry.extra_reports(directory)]
-    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+def _not_installed(name: str, hint: str) -> Callable[[], None]:
+    def command() -> None:
+        typer.echo(f"Error: `privlm {name}` {hint}.", err=True)
+        raise typer.Exit(1)
+
+    return command

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import typer
 
 from privlm.cli.app import app, console
+from privlm.cli.cape import EPSILON_HELP
 from privlm.cli.snd import (
     AllowKeylessOption,
     DocsOption,
@@ -44,8 +45,8 @@ def gateway(
     chat_upstream_key_env: Annotated[str, typer.Option(help="Chat: the environment variable holding the upstream's "
                                                             "API key (never logged).")
                                      ] = "PRIVLM_CHAT_UPSTREAM_API_KEY",
-    epsilon: Annotated[float | None, typer.Option(help="Chat: epsilon per perturbed token (the most a request may "
-                                                       "ask for; it may ask for less).")] = None,
+    epsilon: Annotated[float | None, typer.Option(help=f"Chat: {EPSILON_HELP} The most a request may ask for; it "
+                                                       "may ask for less.")] = None,
     mechanism: Annotated[str, typer.Option(help="Chat: cape, cape-distance, cape-unbucketed, santext, santext+, "
                                                 "custext, custext+, inferdpt or text2text.")] = "cape",
     logit_bound: Annotated[Path | None, typer.Option(help="Chat: Cape's B, from `privlm cape calibrate`.")] = None,
@@ -66,8 +67,9 @@ def gateway(
                                                             "original prompt (InferDPT's extraction; no privacy "
                                                             "cost).")] = False,
     extract_model: Annotated[str, typer.Option(help="Chat: the local model of --extract.")] = "smollm2",
-    chat_budget: Annotated[float | None, typer.Option(help="Chat: privacy budget per API key, in epsilon (the sound "
-                                                           "per-request totals add up); none: unlimited.")] = None,
+    chat_budget: Annotated[float | None, typer.Option(help="Chat: privacy budget per API key, in the mechanism's "
+                                                           "ledger unit (the sound per-request totals add up); "
+                                                           "none: unlimited.")] = None,
     chat_ledger: Annotated[Path | None, typer.Option(help="Chat: SQLite ledger of --chat-budget (default: "
                                                           "$PRIVLM_CACHE/ledger-chat-<unit>.sqlite).")] = None,
     guardrail: Annotated[bool, typer.Option("--guardrail/--no-guardrail", help="Chat: also serve LiteLLM's generic "
@@ -183,13 +185,12 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
     from privlm.gateway import ChatSetup, mechanism_privacy
     from privlm.models.language import LanguageModel
     from privlm.models.sources import cache_dir
-    from privlm.models.text_mechanisms import text_mechanism
+    from privlm.models.text_mechanisms import check_epsilon, text_mechanism
     from privlm.service.audit import AuditLog
     from privlm.service.upstream import ChatUpstream
 
     if epsilon is None:
         raise typer.BadParameter("--chat-upstream needs --epsilon (per perturbed token)", param_hint="--epsilon")
-    _positive(epsilon, "--epsilon")
     _positive(budget, "--chat-budget")
     deadline, idle_timeout, max_answer_bytes = upstream_limits
     _positive(deadline, "--upstream-timeout")
@@ -207,6 +208,7 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
         raise typer.BadParameter("a ledger needs a budget", param_hint="--chat-budget")
     try:
         chosen = text_mechanism(mechanism)
+        check_epsilon(epsilon, name="--epsilon")
         require_logit_bound(chosen, logit_bound)
         bound = LogitBound.load(logit_bound) if logit_bound is not None else None
         upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, deadline=deadline,

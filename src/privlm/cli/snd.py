@@ -1,4 +1,4 @@
-"""SnD's commands: ``privlm snd train``, ``privlm serve``, ``privlm bench snd`` and ``privlm bench serve``; and
+"""SnD's commands: ``privlm snd train`` and ``privlm snd serve`` (``privlm serve``, its alias); and
 the options every service command shares (``privlm gateway`` is in :mod:`privlm.cli.gateway`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from privlm.cli.app import app, bench_app, console, parse_levels, parse_list
+from privlm.cli.app import app, console, parse_levels, parse_list
 
 if TYPE_CHECKING:
     from privlm.service import ServiceOptions
@@ -33,116 +33,6 @@ AllowKeylessOption = Annotated[bool, typer.Option("--allow-keyless", help="Serve
 
 snd_app = typer.Typer(help="Split-N-Denoise: private sentence embeddings.", no_args_is_help=True)
 app.add_typer(snd_app, name="snd")
-
-
-@bench_app.command("snd")
-def bench_snd(
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/snd"),
-    denoisers: Annotated[str, typer.Option(help="Folder with ablation denoisers: noclip/, server/, local/, "
-                                                "groups/<name>/ (each from `privlm snd train`).")] = "",
-    etas: Annotated[str, typer.Option(help="Comma-separated etas; empty: calibrate to inversion rates "
-                                           "50%, 10%, 1%, 0.1%.")] = "",
-    tasks: Annotated[str, typer.Option(help="Comma-separated task names.")] = "tweets-binary,fortunes",
-    methods: Annotated[str, typer.Option(help="Comma-separated method keys (snd, tokembpriv, text2text, "
-                                              "snd-ablation-budget, snd-no-clip, server-side, local-only, "
-                                              "snd-no-residual, snd-query-readout, snd-eta-groups); empty: all "
-                                              "available.")] = "",
-    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
-    n_train: Annotated[int, typer.Option()] = 2000,
-    n_validation: Annotated[int, typer.Option()] = 500,
-    n_test: Annotated[int, typer.Option()] = 1000,
-    attack_sentences: Annotated[int, typer.Option()] = 200,
-    probe: Annotated[str, typer.Option(help="mlp (SnD paper) or logistic.")] = "mlp",
-    seed: Annotated[int, typer.Option()] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    cost: Annotated[bool, typer.Option("--cost", help="Measure client time, bytes and memory instead.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Keep the points an interrupted run finished.")] = False,
-) -> None:
-    """SnD vs baselines and ablations at calibrated etas: utility, attacks, privacy-utility plots."""
-    from privlm._validation import check_choice
-    from privlm.eval.bench import run_sweep
-    from privlm.eval.probes import PROBE_KINDS
-    from privlm.eval.registry import sweep_entry
-    from privlm.eval.sweeps.snd import SnDSetting, snd_sweep
-
-    if cost:
-        from privlm.eval.sweeps.snd_cost import write_cost_report
-
-        with console.status("Measuring client time, bytes on the wire and peak memory..."):
-            files = write_cost_report(out, model=model, seed=seed, device=device)
-        console.print((out / "cost.md").read_text())
-        console.print(f"Wrote {', '.join(str(f) for f in files)}")
-        return
-
-    setting = SnDSetting(model=model, tasks=parse_list(tasks), n_train=n_train, n_validation=n_validation,
-                         n_test=n_test, attack_sentences=attack_sentences,
-                         probe=check_choice("probe", probe, PROBE_KINDS), seed=seed, device=device,
-                         denoisers=denoisers, etas=tuple(parse_levels(etas)) if etas else (),
-                         methods=parse_list(methods))
-    with console.status("Loading, encoding the clean splits and calibrating eta..."):
-        try:
-            sweep = snd_sweep(setting)
-        except ValueError as error:
-            raise typer.BadParameter(str(error)) from None
-    console.print(f"Levels: {sweep.levels}; methods: {[m.key for m in sweep.methods]}")
-    report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
-    extra = sweep_entry("snd").extra_reports(out)
-    console.print((out / "results.md").read_text())
-    for file in extra:
-        console.print(file.read_text())
-    console.print(f"Wrote {', '.join(str(f) for f in [*report.files, *extra])}")
-
-
-@bench_app.command("serve")
-def bench_serve(
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/serve"),
-    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
-    seed: Annotated[int, typer.Option()] = 0,
-    requests: Annotated[int, typer.Option(help="Requests per client (8 sentences each); fewer for a short run.")
-                        ] = 24,
-) -> None:
-    """Throughput and p50/p99 latency at 1, 8 and 32 clients, of the server alone and through the gateway
-    (openai clients); a server restart mid-run."""
-    from privlm.eval.sweeps.serve_load import write_serve_report
-
-    if requests < 1:
-        raise typer.BadParameter("must be >= 1", param_hint="--requests")
-    with console.status("Starting the server and the gateway, loading them with 1, 8 and 32 clients..."):
-        files = write_serve_report(out, model=model, seed=seed, requests_per_client=requests)
-    console.print((out / "serve.md").read_text())
-    console.print(f"Wrote {', '.join(str(f) for f in files)}")
-
-
-@bench_app.command("hardening")
-def bench_hardening(
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/hardening"),
-    source: Annotated[Path | None, typer.Option(help="Run the server and the gateway from this checkout's src "
-                                                     "(a git worktree of an older commit, say); default: this "
-                                                     "privlm.")] = None,
-    label: Annotated[str, typer.Option(help="A label for the results, e.g. before or after.")] = "",
-    model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
-    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: a 32 MiB upload, a 9 MiB body, 16 "
-                                                        "inputs; seconds instead of minutes.")] = False,
-    upload_mib: Annotated[int | None, typer.Option(help="Chunked upload to the server (default 1024).")] = None,
-    cap_s: Annotated[float | None, typer.Option(help="The longest any one case is waited for (default 200).")
-                     ] = None,
-) -> None:
-    """Memory and latency under issue 10's abuses: chunked bodies over the limits (server and gateway), and a
-    one-text request's latency while another caller's maximum-size request runs."""
-    from privlm.eval.sweeps.hardening import QUICK, HardeningRun, HardeningSizes, run_hardening, with_overrides
-
-    if source is not None and not (source / "src" / "privlm").is_dir():
-        raise typer.BadParameter(f"{source} has no src/privlm", param_hint="--source")
-    try:
-        sizes = with_overrides(QUICK if quick else HardeningSizes(), upload_mib=upload_mib, cap_s=cap_s)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
-    files = run_hardening(HardeningRun(out_dir=out, model=model, source=source, label=label, sizes=sizes,
-                                       log=console.print))
-    console.print((out / "results.md").read_text())
-    console.print(f"Wrote {', '.join(str(f) for f in files)}")
-
-
 
 
 @snd_app.command("train")
@@ -180,7 +70,7 @@ def snd_train(
 ) -> None:
     """Train a denoiser on public text with synthetic d_chi noise."""
     from privlm._validation import check_choice
-    from privlm.eval.data import public_corpus
+    from privlm.data import public_corpus
     from privlm.models import SplitModel
     from privlm.snd.denoiser import VARIANTS
     from privlm.snd.training import DenoiserTrainer, TrainingConfig
@@ -205,7 +95,7 @@ def snd_train(
     console.print(f"Wrote {out / 'denoiser.safetensors'} and {out / 'denoiser.json'}")
 
 
-@app.command()
+@snd_app.command("serve")
 def serve(
     model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
@@ -248,6 +138,9 @@ def serve(
     run_service(app_, host=host, port=port)
 
 
+app.command("serve", help="The same as `privlm snd serve` (kept as an alias): the vendor's SnD server.")(serve)
+
+
 def _serve_with_ray(*, model: str, host: str, port: int, api_keys: list[str] | tuple[str, ...],
                     api_key_file: Path | None, denoiser_dirs: list[Path] | None, max_batch_rows: int,
                     max_wait_ms: float, device: str,
@@ -258,7 +151,7 @@ def _serve_with_ray(*, model: str, host: str, port: int, api_keys: list[str] | t
         raise typer.BadParameter(str(error), param_hint="--ray") from None
     application = snd_application(model, replicas=replicas, replica_cpus=replica_cpus, denoiser_dirs=denoiser_dirs,
                                   api_keys=api_keys, api_key_file=api_key_file, max_batch_rows=max_batch_rows,
-                                  max_wait_ms=max_wait_ms, device="cpu" if device == "auto" else device,
+                                  max_wait_ms=max_wait_ms, device=device,
                                   service=service)
     run_blocking(application, host=host, port=port, name="privlm-snd", address=address)
 

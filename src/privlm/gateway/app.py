@@ -8,7 +8,7 @@
   - ``GET /v1/models``: the embedding model and the chat models, in one list.
 
 All behind one set of Bearer keys, one error model and one ``/health``. Each endpoint keeps its own budget
-(SnD's in eta-tokens, chat's in epsilon): the units differ, so they are never summed.
+(SnD's in eta-tokens, chat's in its mechanism's unit): the units differ, so they are never summed.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def mechanism_privacy(mechanism: str, device_model: LanguageModel, *, epsilon: f
     ``device_model``.
 
     With ``budget``: a ledger at ``ledger_path`` with that budget per principal, in the unit the mechanism
-    registered (epsilon; eta-tokens for the metric-DP baselines). The mechanism is built once now (a bad name or a
-    missing bound fails at start), then afresh for every request.
+    registered. The mechanism is built once now (a bad name, epsilon or missing bound fails at start), then afresh
+    for every request.
     """
     chosen = text_mechanism(mechanism)
     context = MechanismContext(device_model=device_model, logit_bound=logit_bound)

@@ -32,16 +32,11 @@ def nearest_neighbours(
 
     ``queries`` has shape (..., d); the result has shape (..., k), nearest first.
     """
-    check_float_tensor("queries", queries)
-    check_float_tensor("vocabulary", vocabulary, ndim=2)
+    vocabulary = _checked_vocabulary(queries, vocabulary)
     k = check_positive_int("k", k)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    if queries.shape[-1] != vocabulary.shape[-1]:
-        raise ValueError(f"queries have dimension {queries.shape[-1]} but vocabulary rows have "
-                         f"{vocabulary.shape[-1]}")
     if k > vocabulary.shape[0]:
         raise ValueError(f"k must be <= the vocabulary size {vocabulary.shape[0]}, got {k}")
-    vocabulary = vocabulary.to(device=queries.device, dtype=queries.dtype)
     flat = queries.reshape(-1, queries.shape[-1])
     vocabulary_sq_norms = vocabulary.pow(2).sum(dim=-1)
     ids, dists = [], []
@@ -54,8 +49,23 @@ def nearest_neighbours(
     return torch.cat(ids).reshape(*batch_shape, k), torch.cat(dists).reshape(*batch_shape, k)
 
 
-def project_to_vocabulary(queries: torch.Tensor, vocabulary: torch.Tensor, *,
-                          chunk_size: int = 1024) -> torch.Tensor:
-    """Id of the nearest vocabulary row for each query vector (shape ``queries.shape[:-1]``)."""
-    ids, _ = nearest_neighbours(queries, vocabulary, k=1, chunk_size=chunk_size)
-    return ids.squeeze(-1)
+def project_to_vocabulary(queries: torch.Tensor, vocabulary: torch.Tensor, *, chunk_size: int = 1024,
+                          vocabulary_sq_norms: torch.Tensor | None = None) -> torch.Tensor:
+    """Id of the nearest vocabulary row for each query vector (shape ``queries.shape[:-1]``); a tie goes to the
+    lowest id. ``vocabulary_sq_norms``, computed once by a caller that projects often, saves a pass per call."""
+    vocabulary = _checked_vocabulary(queries, vocabulary)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    norms = vocabulary.pow(2).sum(dim=-1) if vocabulary_sq_norms is None else vocabulary_sq_norms.to(vocabulary)
+    flat = queries.reshape(-1, queries.shape[-1])
+    nearest = [squared_distances(chunk, vocabulary, norms).argmin(dim=-1) for chunk in flat.split(chunk_size)]
+    return torch.cat(nearest).reshape(queries.shape[:-1])
+
+
+def _checked_vocabulary(queries: torch.Tensor, vocabulary: torch.Tensor) -> torch.Tensor:
+    """``vocabulary`` on the queries' device and dtype, once both are checked to be finite rows of one width."""
+    check_float_tensor("queries", queries)
+    check_float_tensor("vocabulary", vocabulary, ndim=2)
+    if queries.shape[-1] != vocabulary.shape[-1]:
+        raise ValueError(f"queries have dimension {queries.shape[-1]} but vocabulary rows have "
+                         f"{vocabulary.shape[-1]}")
+    return vocabulary.to(device=queries.device, dtype=queries.dtype)

@@ -1,7 +1,8 @@
 """Loading HF models offline and splitting them into a client half and a server half."""
 
-from privlm.models.client import TokenBatch, TokenEmbedder, Tokens, TruncationPolicy, check_texts, model_fingerprint
+from privlm.models.client import TokenBatch, TokenEmbedder, Tokens, TruncationPolicy, check_texts
 from privlm.models.device import forked_rng, resolve_device
+from privlm.models.fingerprints import model_fingerprint, weights_sha256
 from privlm.models.loading import load_pretrained, model_family
 from privlm.models.partition import (
     BottomConfig,
@@ -10,7 +11,6 @@ from privlm.models.partition import (
     load_bottom,
     make_head,
     split_model,
-    weights_sha256,
 )
 from privlm.models.pooling import POOLINGS, cls_pool, last_token_pool, mean_pool
 from privlm.models.sources import PACKAGED, ModelSource, resolve_source

@@ -1,10 +1,23 @@
-"""Length-sorted batching: similar lengths share a batch, so little compute goes to padding."""
+"""Batches of token ids: right-padded, and length-sorted so that little compute goes to padding."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+import torch
+
+
+def pad_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids (B, L) and their attention mask (B, L), both int64 on ``device``."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, :len(row)] = 1
+    return input_ids.to(device), attention_mask.to(device)
 
 
 def length_sorted_batches(texts: Sequence[str], batch_size: int) -> Iterator[list[int]]:

@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from privlm._validation import check_in_interval
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models.language import LanguageModel
 
@@ -74,15 +75,15 @@ def check_sampling(*, max_tokens: object, temperature: object, top_p: object, st
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens < context_length:
         raise ChatRequestError("max_tokens", f"max_tokens must be an integer from 1 to {context_length - 1} (the "
                                              f"context less one token of prompt), got {max_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) \
-            or not (math.isfinite(temperature) and temperature >= 0):
-        raise ChatRequestError("temperature", f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
-        raise ChatRequestError("top_p", f"top_p must be a number in (0, 1], got {top_p!r}")
+    try:
+        temperature = check_in_interval("temperature", temperature, 0, math.inf, high_open=True)
+        top_p = check_in_interval("top_p", top_p, 0, 1, low_open=True)
+    except ValueError as error:  # the message starts with the parameter's name
+        raise ChatRequestError(str(error).split()[0], str(error)) from None
     stops = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stops, Sequence) or any(not isinstance(s, str) or not s for s in stops):
         raise ChatRequestError("stop", "stop must be a sequence of non-empty strings")
-    return SamplingOptions(max_tokens, float(temperature), float(top_p), tuple(stops))
+    return SamplingOptions(max_tokens, temperature, top_p, tuple(stops))
 
 
 def next_token(logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator) -> int:

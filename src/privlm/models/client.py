@@ -6,8 +6,6 @@ with the server half.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -20,7 +18,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from privlm._validation import check_choice
+from privlm.models.batching import pad_ids
 from privlm.models.device import resolve_device
+from privlm.models.fingerprints import model_fingerprint
 
 TruncationPolicy = Literal["warn", "error", "count"]  # "count": the caller reports truncation itself
 TRUNCATION_POLICIES: tuple[TruncationPolicy, ...] = ("warn", "error", "count")
@@ -81,23 +81,6 @@ def check_texts(texts: object) -> None:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone UTF-16 surrogate: JSON can carry it, no tokenizer can read it
             raise ValueError(f"texts[{i}] is not valid Unicode (it holds a lone surrogate code point)") from None
-
-
-# Architecture fields that define a model's shape (whichever of them a config has). Loader-added
-# fields (dtype, attention implementation, paths, versions) are left out so the hash is stable.
-_ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "d_model", "dim", "num_hidden_layers",
-                      "n_layer", "num_layers", "n_layers", "num_attention_heads", "n_head", "num_heads",
-                      "n_heads", "intermediate_size", "n_inner", "d_ff", "hidden_dim", "max_position_embeddings",
-                      "n_positions", "type_vocab_size", "tie_word_embeddings")
-
-
-def model_fingerprint(embedding_matrix: torch.Tensor, config: dict[str, object]) -> str:
-    """sha256 of the embedding matrix (fp32 bytes) and the architecture fields of the config."""
-    digest = hashlib.sha256()
-    digest.update(embedding_matrix.detach().float().cpu().contiguous().numpy().tobytes())
-    architecture = {k: config[k] for k in _ARCHITECTURE_KEYS if k in config}
-    digest.update(json.dumps(architecture, sort_keys=True, default=str).encode())
-    return digest.hexdigest()
 
 
 class TokenEmbedder:
@@ -190,15 +173,9 @@ class TokenEmbedder:
                 cut = tokenizer([tokens.texts[i] for i in long], truncation=True, max_length=max_length)["input_ids"]
             for i, ids in zip(long, cut, strict=True):
                 rows[i] = tuple(ids)
-        width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), int(tokenizer.pad_token_id), dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, :len(row)] = 1
-        truncated = [len(ids) > max_length for ids in tokens.ids]
-        return TokenBatch(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                          truncated=truncated)
+        input_ids, attention_mask = pad_ids(rows, int(tokenizer.pad_token_id), self.device)
+        return TokenBatch(input_ids=input_ids, attention_mask=attention_mask,
+                          truncated=[len(ids) > max_length for ids in tokens.ids])
 
     def tokenize(self, texts: Sequence[str], *, truncation: TruncationPolicy = "warn", max_length: int | None = None
                  ) -> TokenBatch:

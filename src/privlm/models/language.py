@@ -8,7 +8,6 @@ a local folder of a masked LM (BERT-like, with its MLM head) loads as ``kind="ma
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,22 +25,13 @@ from transformers import (
 
 from privlm._validation import check_choice
 from privlm.models.device import resolve_device
+from privlm.models.fingerprints import weights_sha256
 from privlm.models.loading import materialise_gguf, model_family
 from privlm.models.sources import resolve_source
 from privlm.models.vocabulary import CandidateVocabulary
 
 LanguageModelKind = Literal["causal", "masked"]
 LANGUAGE_MODEL_KINDS: tuple[LanguageModelKind, ...] = ("causal", "masked")
-
-
-def kind_of(model: PreTrainedModel) -> LanguageModelKind:
-    """``causal`` for a decoder with an LM head, ``masked`` for an encoder with an MLM head."""
-    family = model_family(model.config)
-    if family == "decoder":
-        return "causal"
-    if family == "encoder":
-        return "masked"
-    raise ValueError(f"a {model.config.model_type} model is neither a causal nor a masked language model")
 
 
 @dataclass(eq=False)
@@ -107,14 +97,7 @@ class LanguageModel:
     @cached_property
     def weights_fingerprint(self) -> str:
         """sha256 of every parameter and buffer (fp32 bytes, by name), the kind and the quantization."""
-        digest = hashlib.sha256(f"{self.kind}/{'int8' if self.quantized else 'fp32'}".encode())
-        for name, tensor in sorted(self.model.state_dict().items()):
-            if not isinstance(tensor, torch.Tensor):
-                continue  # quantized modules keep packed parameters as non-tensors
-            digest.update(name.encode())
-            value = tensor.dequantize() if tensor.is_quantized else tensor
-            digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
+        return weights_sha256(self.model, salt=f"{self.kind}/{'int8' if self.quantized else 'fp32'}".encode())
 
     def quantize_int8(self) -> LanguageModel:
         """A copy whose linear layers use int8 dynamic quantization (CPU only): faster, slightly different logits.

@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 ENCODER_TYPES = frozenset({"bert", "roberta", "distilbert", "xlm-roberta", "camembert", "mpnet", "electra"})
 DECODER_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
 T5_TYPES = frozenset({"t5", "mt5", "umt5"})
-FAMILY_POOLING: dict[str, Pooling] = {"encoder": "cls", "decoder": "last", "t5": "mean"}
 
 
 def model_family(config: PretrainedConfig) -> str:

@@ -21,7 +21,6 @@ become a hook of the family too.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,8 +33,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
 from privlm._validation import check_float_tensor
-from privlm.models.loading import FAMILY_POOLING, model_family
-from privlm.models.pooling import POOLERS, POOLINGS, Pooling
+from privlm.models.fingerprints import weights_sha256
+from privlm.models.loading import model_family
+from privlm.models.pooling import POOLERS, Pooling, choose_pooling
 
 BOTTOM_WEIGHTS = "bottom.safetensors"
 BOTTOM_CONFIG = "bottom.json"
@@ -100,15 +100,6 @@ def _get(module: torch.nn.Module, path: str) -> Any:
     for name in path.split("."):
         module = getattr(module, name)
     return module
-
-
-def weights_sha256(module: torch.nn.Module) -> str:
-    """sha256 over every parameter and persistent buffer (name, then fp32 bytes), in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -245,9 +236,7 @@ def split_model(model: PreTrainedModel, blocks: int, *, pooling: Pooling | None 
     if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks < total:
         raise ValueError(f"blocks must be an integer in [0, {total - 1}] (the model has {total} blocks and the "
                          f"top needs at least one), got {blocks!r}")
-    pooling = pooling or FAMILY_POOLING[model_family(config)]
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    pooling = choose_pooling(model_family(config), pooling)
     embeddings = _get(base, anatomy.embeddings)
     word = _get(base, anatomy.word_embeddings)
     # Deep copies: the two parts share no tensor with each other or with ``model``.

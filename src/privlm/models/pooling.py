@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from privlm._validation import check_choice
+
+if TYPE_CHECKING:
+    from privlm.models.loading import SentenceTransformerConfig
+
 Pooling = Literal["mean", "cls", "last"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "cls", "last")
+FAMILY_POOLING: dict[str, Pooling] = {"encoder": "cls", "decoder": "last", "t5": "mean"}
+
+
+def choose_pooling(family: str, requested: Pooling | Literal["auto"] | None = "auto", *,
+                   folder: SentenceTransformerConfig | None = None) -> Pooling:
+    """The pooling a model computes with: ``requested`` unless it is "auto" (or None), else the one its
+    sentence-transformers ``folder`` names, else its family's (encoder: CLS, decoder: last token, T5: mean)."""
+    check_choice("pooling", "auto" if requested is None else requested, ("auto", *POOLINGS))
+    if requested is None or requested == "auto":
+        return folder.pooling if folder is not None else FAMILY_POOLING[family]
+    return requested
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

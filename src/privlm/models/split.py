@@ -7,7 +7,6 @@ model adds position/type embeddings itself) and applies the family's pooling.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -19,12 +18,13 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from privlm._validation import check_choice, check_float_tensor
+from privlm._validation import check_float_tensor
 from privlm.models.batching import map_in_length_order
 from privlm.models.client import TokenEmbedder
 from privlm.models.device import resolve_device
-from privlm.models.loading import FAMILY_POOLING, load_pretrained, model_family
-from privlm.models.pooling import POOLERS, POOLINGS, Pooling
+from privlm.models.fingerprints import weights_sha256
+from privlm.models.loading import load_pretrained, model_family
+from privlm.models.pooling import POOLERS, Pooling, choose_pooling
 
 log = logging.getLogger(__name__)
 _DEFAULT_MAX_LENGTH = 512
@@ -53,8 +53,7 @@ class SplitModel(TokenEmbedder):
         name: str | None = None,
     ) -> None:
         self.family = model_family(model.config)
-        check_choice("pooling", pooling, ("auto", *POOLINGS))
-        self.pooling = FAMILY_POOLING[self.family] if pooling == "auto" else pooling
+        self.pooling = choose_pooling(self.family, pooling)
         device = resolve_device(device)
         self.model = model
         torch.nn.Module.to(model, device).eval()  # Module.to: transformers' own override confuses type checkers
@@ -77,9 +76,8 @@ class SplitModel(TokenEmbedder):
         resolved = resolve_device(device)
         loaded = load_pretrained(name_or_path, device=resolved, dtype=dtype)
         st = loaded.sentence_transformer
-        if pooling == "auto" and st is not None:
-            pooling = st.pooling
-        return cls(loaded.model, loaded.tokenizer, pooling=pooling, normalize=bool(st and st.normalize),
+        return cls(loaded.model, loaded.tokenizer, pooling=choose_pooling(loaded.family, pooling, folder=st),
+                   normalize=bool(st and st.normalize),
                    max_length=st.max_seq_length if st else None, device=resolved, name=str(name_or_path))
 
     @cached_property
@@ -88,12 +86,8 @@ class SplitModel(TokenEmbedder):
         name), the pooling, normalisation and max length. Two servers with equal weights fingerprints
         compute the same function (up to their device's and dtype's rounding); ``fingerprint`` (the
         embedding rows) is what a client can check itself."""
-        digest = hashlib.sha256(self.fingerprint.encode())
-        digest.update(json.dumps([self.pooling, self.normalize, self.max_length]).encode())
-        for name, tensor in sorted(self.model.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
+        facts = json.dumps([self.pooling, self.normalize, self.max_length])
+        return weights_sha256(self.model, salt=(self.fingerprint + facts).encode())
 
     # --- server side ------------------------------------------------------------------------
     def encode(self, token_embeddings: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
+from privlm._validation import check_positive_finite
 from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit
 from privlm.models.language import LanguageModel
@@ -30,6 +31,12 @@ from privlm.models.vocabulary import CandidateVocabulary
 
 Family = Literal["cape", "baseline"]
 _FAMILY_ORDER = get_args(Family)  # listings show Cape's variants first, whichever package was imported first
+
+
+def check_epsilon(epsilon: object, *, name: str = "epsilon") -> float:
+    """A text mechanism's level: a finite number > 0 per perturbed token, on the mechanism's own scale (its
+    ledger charges count its :attr:`TextMechanism.unit`). The one check of it: mechanisms, gateway, CLIs."""
+    return check_positive_finite(name, epsilon)
 
 
 

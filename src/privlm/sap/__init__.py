@@ -2,9 +2,9 @@
 
 The vendor cuts its model (:func:`split_pretrained`), keeps the top and trains LoRA on it; the customer gets only
 the bottom, keeps its texts and labels, and sends privatized representations. The protocol (Algorithm 1 of the
-paper) runs between :class:`Customer` and :class:`Vendor` through a :class:`Transport`; :func:`connect` and
-:func:`fine_tune` run it in one process; :class:`Client` runs the customer against a remote vendor
-(``privlm sap vendor``). See docs/sap.md.
+paper) runs between :class:`Customer` and :class:`Vendor` through a :class:`Transport`, and :func:`fit` is its one
+training loop: :func:`connect` and :func:`fine_tune` run it in one process; :class:`Client` runs the customer
+against a remote vendor (``privlm sap vendor``). See docs/sap.md.
 """
 
 from privlm.sap.config import HEAD_PLACEMENTS, HeadPlacement, LoraSettings, SapConfig
@@ -25,9 +25,9 @@ from privlm.sap.messages import (
 )
 from privlm.sap.model import SplitParts, add_lora, split_pretrained
 from privlm.sap.privatizer import EmbeddingPrivatizer, HiddenStatePrivatizer, Release
-from privlm.sap.service.client import Client, FitReport
-from privlm.sap.training import EpochRecord, FitResult, Parties, connect, fine_tune
-from privlm.sap.transport import InProcessTransport, Traffic, Transport
+from privlm.sap.service.client import Client
+from privlm.sap.training import EpochRecord, FitResult, Parties, connect, fine_tune, fit
+from privlm.sap.transport import InProcessTransport, Traffic, Transport, VendorBehindError
 from privlm.sap.vendor import Vendor
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "CutGradient",
     "EmbeddingPrivatizer",
     "EpochRecord",
-    "FitReport",
     "FitResult",
     "Forward",
     "HeadPlacement",
@@ -61,10 +60,12 @@ __all__ = [
     "Upload",
     "Uploaded",
     "Vendor",
+    "VendorBehindError",
     "add_lora",
     "connect",
     "contributing_tokens",
     "fine_tune",
+    "fit",
     "from_bytes",
     "split_pretrained",
     "to_bytes",

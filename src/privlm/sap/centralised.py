@@ -21,12 +21,13 @@ from peft import get_peft_model
 from rich.progress import Progress
 from transformers import PreTrainedModel
 
+from privlm.models.batching import pad_ids
 from privlm.models.device import forked_rng, resolve_device
-from privlm.models.loading import FAMILY_POOLING, load_pretrained
+from privlm.models.loading import load_pretrained
 from privlm.models.partition import make_head
-from privlm.models.pooling import POOLERS, Pooling
+from privlm.models.pooling import POOLERS, Pooling, choose_pooling
 from privlm.sap.config import SapConfig
-from privlm.sap.customer import check_every_class_present, check_labels, pad_ids, tokenize_texts
+from privlm.sap.customer import check_every_class_present, check_labels, tokenize_texts
 from privlm.sap.model import dropout_seed, lora_dropout
 
 
@@ -49,14 +50,14 @@ def fine_tune_centralised(model_name: str | Path, *, config: SapConfig, n_classe
                           validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray,
                           test_texts: Sequence[str] | None = None,
                           test_labels: Sequence[int] | np.ndarray | None = None,
-                          device: str | torch.device = "cpu", progress: bool = False) -> dict[str, Any]:
+                          device: str | torch.device = "auto", progress: bool = False) -> dict[str, Any]:
     """Train LoRA and the head on the unsplit model for ``config.epochs`` epochs; return a dict shaped like
     :meth:`privlm.sap.FitResult.to_dict` (epochs, best_epoch, steps, validation/test accuracy at the chosen epoch,
     wall_seconds, truncated). Only ``config``'s LoRA, optimiser, batch and length settings apply."""
     start = time.perf_counter()
     resolved = resolve_device(device)
     loaded = load_pretrained(model_name, device=resolved, causal_lm_head=False)
-    pooling = loaded.sentence_transformer.pooling if loaded.sentence_transformer else FAMILY_POOLING[loaded.family]
+    pooling = choose_pooling(loaded.family, folder=loaded.sentence_transformer)
     tokenizer, pad_id = loaded.tokenizer, loaded.tokenizer.pad_token_id or 0
     head = make_head(loaded.model.config.hidden_size, n_classes, seed=config.seed).to(resolved)
     with forked_rng(config.seed, resolved):  # LoRA's init, seeded as the vendor's add_lora seeds it

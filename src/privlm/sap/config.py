@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from peft import LoraConfig
 
-from privlm._validation import check_choice, check_positive_finite, check_positive_int
+from privlm._validation import check_choice, check_in_interval, check_positive_finite, check_positive_int
 
 HeadPlacement = Literal["vendor", "customer"]
 HEAD_PLACEMENTS: tuple[HeadPlacement, ...] = ("vendor", "customer")
@@ -18,7 +17,7 @@ def _check_optional_eta(name: str, value: object) -> float | None:
     return None if value is None else check_positive_finite(name, value)
 
 
-def _check_seed(name: str, value: object) -> int:
+def _check_non_negative_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return value
@@ -40,8 +39,7 @@ class LoraSettings:
     def __post_init__(self) -> None:
         check_positive_int("rank", self.rank)
         check_positive_int("alpha", self.alpha)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        check_in_interval("dropout", self.dropout, 0, 1, high_open=True)
         targets = tuple(self.target_modules)
         if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ValueError(f"target_modules must be non-empty module names, got {self.target_modules!r}")
@@ -91,17 +89,13 @@ class SapConfig:
     noise_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
-            raise ValueError(f"blocks must be a non-negative integer, got {self.blocks!r}")
+        _check_non_negative_int("blocks", self.blocks)
         _check_optional_eta("eta", self.eta)
         _check_optional_eta("exempt_eta", self.exempt_eta)
         check_choice("head", self.head, HEAD_PLACEMENTS)
         if not isinstance(self.trainable_bottom, bool) or not isinstance(self.cti, bool):
             raise ValueError("trainable_bottom and cti must be booleans")
-        share = self.cti_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not math.isfinite(share) \
-                or not 0 < share < 1:
-            raise ValueError(f"cti_share must be a number in (0, 1), got {share!r}")
+        check_in_interval("cti_share", self.cti_share, 0, 1, low_open=True, high_open=True)
         check_positive_finite("cti_alpha", self.cti_alpha)
         if self.cti and self.blocks != 0:
             raise ValueError("cti applies to the embedding bottom only (blocks=0): deeper representations mix tokens")
@@ -122,6 +116,6 @@ class SapConfig:
         check_positive_finite("bottom_learning_rate", self.bottom_learning_rate)
         for name in ("epochs", "batch_size", "max_length"):
             check_positive_int(name, getattr(self, name))
-        _check_seed("seed", self.seed)
+        _check_non_negative_int("seed", self.seed)
         if self.noise_seed is not None:
-            _check_seed("noise_seed", self.noise_seed)
+            _check_non_negative_int("noise_seed", self.noise_seed)

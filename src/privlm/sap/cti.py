@@ -28,15 +28,13 @@ privlm does not copy either: it ranks by UI as the paper defines it, with Laplac
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any
 
 import numpy as np
 
-from privlm._validation import check_positive_finite, check_positive_int
+from privlm._validation import check_in_interval, check_positive_finite, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,7 @@ def contributing_tokens(token_ids: Sequence[Sequence[int]], labels: Sequence[int
     ``token_ids``: the training texts as token-id lists, without padding. ``ignore_ids`` (special tokens, ...)
     are dropped before anything is counted: they are neither positions nor candidates for exemption.
     """
-    share = _check_share(share)
+    share = check_in_interval("share", share, 0, 1, low_open=True, high_open=True)
     alpha = check_positive_finite("alpha", alpha)
     ids, pos_labels = _positions(token_ids, labels, vocab_size=vocab_size, n_classes=n_classes)
     ignored = _check_ignore_ids(ignore_ids, vocab_size)
@@ -184,13 +182,6 @@ def _check_labels(labels: Sequence[int] | np.ndarray, n_texts: int, n_classes: i
     if missing.size:
         raise ValueError(f"labels: class {int(missing[0])} has no examples: CTI needs every class")
     return array
-
-
-def _check_share(share: object) -> float:
-    if isinstance(share, bool) or not isinstance(share, Real) or not math.isfinite(float(share)) \
-            or not 0 < float(share) < 1:
-        raise ValueError(f"share must be a finite number in (0, 1), got {share!r}")
-    return float(share)
 
 
 def _check_ignore_ids(ignore_ids: Collection[int], vocab_size: int) -> np.ndarray:

@@ -8,7 +8,7 @@ charged to the privacy account (and the ledger, when there is one) before it lea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,25 +18,15 @@ from transformers import PreTrainedTokenizerBase
 from privlm.accounting import Ledger, charge
 from privlm.mechanisms import PrivacyUnit, make_generator
 from privlm.models import check_texts
+from privlm.models.batching import pad_ids
 from privlm.models.partition import BottomModel, make_head
+from privlm.sap import messages
 from privlm.sap.config import SapConfig
 from privlm.sap.cti import CtiReport, contributing_tokens
-from privlm.sap.messages import (
-    CutGradient,
-    Forward,
-    OutputGradient,
-    PrivatizedBatch,
-    ProtocolError,
-    StepDone,
-    TopOutput,
-    Upload,
-    Uploaded,
-    check_tensor,
-)
 from privlm.sap.privatizer import EmbeddingPrivatizer, HiddenStatePrivatizer, Privatizer, Release
 from privlm.sap.transport import Transport
 
-_Reply = TypeVar("_Reply", TopOutput, CutGradient, StepDone)
+_Reply = TypeVar("_Reply", messages.TopOutput, messages.CutGradient, messages.StepDone)
 
 
 @dataclass(frozen=True)
@@ -60,7 +50,6 @@ class PrivacyAccount:
     noised_positions: int = 0
     exact_positions: int = 0
     exempt_positions: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def record(self, release: Release) -> None:
         if self.releases and release.spend.unit.value != self.unit:
@@ -106,17 +95,6 @@ def tokenize_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max
     cut = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
     truncated = sum(len(a) != len(b) for a, b in zip(full, cut, strict=True))
     return TokenizedTexts(ids=[list(ids) for ids in cut], truncated=truncated)
-
-
-def pad_ids(ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids (B, L) and their attention mask, on ``device``."""
-    length = max(len(row) for row in ids)
-    input_ids = torch.full((len(ids), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), length), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, :len(row)] = 1
-    return input_ids.to(device), mask.to(device)
 
 
 def _deep_copy(state: Any) -> Any:
@@ -200,7 +178,7 @@ class Customer:
     # --- releases -------------------------------------------------------------------------------------------
     def release(self, ids: Sequence[Sequence[int]], example_ids: Sequence[int], *, note: str,
                 keep_graph: bool = False, sent: Release | None = None
-                ) -> tuple[PrivatizedBatch, torch.Tensor | None, Release]:
+                ) -> tuple[messages.PrivatizedBatch, torch.Tensor | None, Release]:
         """Run the bottom on ``ids``, charge the release, privatize. With ``keep_graph`` also return the tensor
         whose gradient trains the bottom (straight-through the privatizer). ``sent``: a release of these ids
         already made (and charged): it is resent as it was, with no new noise and no new charge."""
@@ -216,8 +194,8 @@ class Customer:
         else:
             release = self.privatizer.privatize(cut, input_ids, mask, generator=self.generator)
             self.account.record(release)
-        batch = PrivatizedBatch(example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
-                                values=release.values.detach().float().cpu(), attention_mask=mask.cpu())
+        batch = messages.PrivatizedBatch(example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
+                                         values=release.values.detach().float().cpu(), attention_mask=mask.cpu())
         attached = self.privatizer.straight_through(cut, release) if keep_graph else None
         return batch, attached, release
 
@@ -229,16 +207,16 @@ class Customer:
         for start in range(0, len(train), batch_size):
             index = list(range(start, min(start + batch_size, len(train))))
             batch, _, _ = self.release([train.ids[i] for i in index], index, note="sap upload")
-            reply = self._exchange(Upload(batch=batch, bottom_fingerprint=self.bottom.config.fingerprint))
-            if not isinstance(reply, Uploaded):
-                raise ProtocolError(f"the vendor answered an upload with {type(reply).__name__}")
+            reply = self._exchange(messages.Upload(batch=batch, bottom_fingerprint=self.bottom.config.fingerprint))
+            if not isinstance(reply, messages.Uploaded):
+                raise messages.ProtocolError(f"the vendor answered an upload with {type(reply).__name__}")
             if isinstance(reply.stored, bool) or not isinstance(reply.stored, int) or reply.stored < index[-1] + 1:
-                raise ProtocolError(f"the vendor says it holds {reply.stored!r} examples after {index[-1] + 1} were "
-                                    "sent")
+                raise messages.ProtocolError(f"the vendor says it holds {reply.stored!r} examples after "
+                                             f"{index[-1] + 1} were sent")
             stored = reply.stored
         return stored
 
-    def _exchange(self, message: Upload | Forward | OutputGradient) -> object:
+    def _exchange(self, message: messages.CustomerMessage) -> object:
         return self.transport.exchange(message)
 
     # --- training and inference -----------------------------------------------------------------------------
@@ -260,19 +238,20 @@ class Customer:
                                                     sent=self.sent_releases.get(self.step))
             if self.keep_releases:
                 self.sent_releases[self.step] = release
-        message = Forward(step=self.step, example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
-                          train=True, bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
+        message = messages.Forward(step=self.step, example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
+                                   train=True, bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
         values = self._output_values(self._exchange(message), len(example_ids))
         if self.head_optimizer is not None:
             self.head_optimizer.zero_grad(set_to_none=True)
         loss, gradient = self._loss_gradient(values, labels[list(example_ids)])
-        reply = self._exchange(OutputGradient(step=self.step, gradient=gradient))
+        reply = self._exchange(messages.OutputGradient(step=self.step, gradient=gradient))
         cut_gradient = None  # nothing here changes until the reply is checked
         if attached is not None:
-            cut = self._expect(reply, CutGradient, step=self.step)
-            cut_gradient = check_tensor("gradient", cut.gradient, shape=tuple(attached.shape), dtype=torch.float32)
+            cut = self._expect(reply, messages.CutGradient, step=self.step)
+            cut_gradient = messages.check_tensor("gradient", cut.gradient, shape=tuple(attached.shape),
+                                                 dtype=torch.float32)
         else:
-            self._expect(reply, StepDone, step=self.step)
+            self._expect(reply, messages.StepDone, step=self.step)
         self.step += 1
         if self.head_optimizer is not None:
             self.head_optimizer.step()
@@ -307,31 +286,32 @@ class Customer:
     def _expect(reply: object, kind: type[_Reply], *, step: int) -> _Reply:
         """``reply`` if it is a ``kind`` for ``step``: a reply to another step is refused, never applied."""
         if not isinstance(reply, kind):
-            raise ProtocolError(f"expected {kind.__name__} from the vendor, got {type(reply).__name__}")
+            raise messages.ProtocolError(f"expected {kind.__name__} from the vendor, got {type(reply).__name__}")
         if reply.step != step:
-            raise ProtocolError(f"the vendor answered step {step} with a {kind.__name__} for step {reply.step}")
+            raise messages.ProtocolError(f"the vendor answered step {step} with a {kind.__name__} for step "
+                                         f"{reply.step}")
         return reply
 
     def _output_values(self, reply: object, rows: int) -> torch.Tensor:
         """The top's output for ``rows`` examples: logits (rows, C), or the representation (rows, d) when the head
         is here; checked like any message from the other party (kind, step, shape, dtype, finiteness)."""
-        output = self._expect(reply, TopOutput, step=self.step)
+        output = self._expect(reply, messages.TopOutput, step=self.step)
         expected_kind = "logits" if self.head is None else "representation"
         if output.output != expected_kind:
-            raise ProtocolError(f"expected {expected_kind} from the vendor, got {output.output}")
+            raise messages.ProtocolError(f"expected {expected_kind} from the vendor, got {output.output}")
         width = self.n_classes if self.head is None else self.bottom.config.hidden_size
-        return check_tensor("values", output.values, shape=(rows, width), dtype=torch.float32)
+        return messages.check_tensor("values", output.values, shape=(rows, width), dtype=torch.float32)
 
-    def predict_released(self, batch: PrivatizedBatch) -> torch.Tensor:
+    def predict_released(self, batch: messages.PrivatizedBatch) -> torch.Tensor:
         """Class probabilities (n, C) for an already released batch (reusing a release costs nothing)."""
-        message = Forward(step=self.step, example_ids=batch.example_ids, train=False,
-                          bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
+        message = messages.Forward(step=self.step, example_ids=batch.example_ids, train=False,
+                                   bottom_fingerprint=self.bottom.config.fingerprint, batch=batch)
         values = self._output_values(self._exchange(message), len(batch.example_ids))
         with torch.no_grad():
             logits = values if self.head is None else self.head(values)
         return torch.softmax(logits.float(), dim=-1)
 
-    def release_for_inference(self, texts: TokenizedTexts, *, batch_size: int = 256) -> list[PrivatizedBatch]:
+    def release_for_inference(self, texts: TokenizedTexts, *, batch_size: int = 256) -> list[messages.PrivatizedBatch]:
         """Privatize texts for inference (charged like any release)."""
         batches = []
         for start in range(0, len(texts), batch_size):
@@ -341,7 +321,7 @@ class Customer:
         return batches
 
     def predict(self, texts: TokenizedTexts, *, batch_size: int = 256,
-                released: list[PrivatizedBatch] | None = None) -> torch.Tensor:
+                released: list[messages.PrivatizedBatch] | None = None) -> torch.Tensor:
         """Class probabilities (n, C): privatize (or reuse ``released``), ask the vendor, apply the head here."""
         batches = released if released is not None else self.release_for_inference(texts, batch_size=batch_size)
         return torch.cat([self.predict_released(batch) for batch in batches])

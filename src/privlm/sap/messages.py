@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from privlm.wire import WireError
+from privlm.wire import WireError, read_safetensors_metadata
 
 OutputKind = Literal["logits", "representation"]
 # The largest magnitude of one entry of a released representation or of a returned gradient that a vendor accepts
@@ -128,33 +128,39 @@ class Forward:
 
 
 @dataclass(frozen=True)
-class TopOutput:
-    kind: ClassVar[str] = "top-output"
+class _OfStep:
+    """A message about one training step (or, for a prediction, the step the vendor is at)."""
+
     step: int
+
+
+@dataclass(frozen=True)
+class TopOutput(_OfStep):
+    kind: ClassVar[str] = "top-output"
     output: OutputKind
     values: torch.Tensor
 
 
 @dataclass(frozen=True)
-class OutputGradient:
+class _Gradient(_OfStep):
+    gradient: torch.Tensor
+
+
+@dataclass(frozen=True)
+class OutputGradient(_Gradient):
     """dL/d(top output), averaged over the batch as the loss is."""
 
     kind: ClassVar[str] = "output-gradient"
-    step: int
-    gradient: torch.Tensor
 
 
 @dataclass(frozen=True)
-class CutGradient:
+class CutGradient(_Gradient):
     kind: ClassVar[str] = "cut-gradient"
-    step: int
-    gradient: torch.Tensor
 
 
 @dataclass(frozen=True)
-class StepDone:
+class StepDone(_OfStep):
     kind: ClassVar[str] = "step-done"
-    step: int
 
 
 CustomerMessage = Upload | Forward | OutputGradient
@@ -186,8 +192,7 @@ def from_bytes(data: bytes, *, max_bytes: int = 1 << 30) -> CustomerMessage | Ve
                             limit="max_bytes")
     try:
         tensors = load_safetensors(data)
-        header_size = int.from_bytes(data[:8], "little")
-        metadata = json.loads(data[8:8 + header_size]).get("__metadata__", {})
+        metadata = read_safetensors_metadata(data)
         scalars = json.loads(metadata["fields"])
         cls = MESSAGE_TYPES[metadata["kind"]]
     except (SafetensorError, KeyError, ValueError, TypeError) as error:

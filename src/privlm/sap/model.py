@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from privlm.models.device import forked_rng, resolve_device
 from privlm.models.loading import load_pretrained
 from privlm.models.partition import BottomModel, TopModel, split_model
+from privlm.models.pooling import choose_pooling
 from privlm.sap.config import LoraSettings, SapConfig
 
 
@@ -28,12 +29,12 @@ class SplitParts:
 
 
 def split_pretrained(name_or_path: str | Path = "minilm", *, config: SapConfig, n_classes: int,
-                     device: str | torch.device = "cpu") -> SplitParts:
+                     device: str | torch.device = "auto") -> SplitParts:
     """Load a packaged or local model offline and cut it for ``config``: the head goes to the top when it sits at
     the vendor. The model's own pooling is used (mean for sentence-transformers models such as MiniLM)."""
     resolved = resolve_device(device)
     loaded = load_pretrained(name_or_path, device=resolved, causal_lm_head=False)
-    pooling = loaded.sentence_transformer.pooling if loaded.sentence_transformer else None
+    pooling = choose_pooling(loaded.family, folder=loaded.sentence_transformer)
     bottom, top = split_model(loaded.model, config.blocks, pooling=pooling,
                               n_classes=n_classes if config.head == "vendor" else None, head_seed=config.seed,
                               name=str(name_or_path))

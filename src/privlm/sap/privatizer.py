@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from privlm._validation import check_float_tensor, check_positive_finite
-from privlm.mechanisms import DChiLaplace, PrivacyUnit, Spend, make_generator, squared_distances
+from privlm.mechanisms import DChiLaplace, PrivacyUnit, Spend, make_generator, project_to_vocabulary
 from privlm.mechanisms.clipping import clip_to_norm
 
 
@@ -43,13 +43,6 @@ class Release:
     def exact(self) -> torch.Tensor:
         """Positions released without noise: special tokens, exempt tokens without exempt_eta, all when eta is None."""
         return self.released & ~self.noised
-
-
-def _nearest_rows(noisy: torch.Tensor, table: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    norms = table.pow(2).sum(dim=-1)
-    flat = noisy.reshape(-1, noisy.shape[-1])
-    ids = [squared_distances(chunk, table, norms).argmin(dim=-1) for chunk in flat.split(chunk_size)]
-    return torch.cat(ids).reshape(noisy.shape[:-1])
 
 
 class EmbeddingPrivatizer:
@@ -99,7 +92,7 @@ class EmbeddingPrivatizer:
             noisy = DChiLaplace(eta=levels[noised]).sample(values[noised],
                                                            generator=generator or make_generator(device=cut.device))
             table = self.vocabulary.to(device=cut.device, dtype=cut.dtype)
-            values[noised] = table[_nearest_rows(noisy, table)]
+            values[noised] = table[project_to_vocabulary(noisy, table)]
         values[~real] = 0
         return Release(values=values, released=real, noised=noised, exempt=exempt,
                        spend=self.spend_of(input_ids, attention_mask))

@@ -1,13 +1,22 @@
-"""Driving a whole SAP fine-tuning run: set both parties up, train for some epochs, pick the epoch on validation.
+"""Driving a whole SAP fine-tuning run over a transport: train for some epochs, pick the epoch on validation.
 
-The customer's held-out validation texts choose the epoch; test texts, when given, are only scored (at every
-epoch, so the chosen epoch's test accuracy can be read off without selecting anything on them). Validation and
-test texts are privatized once per bottom state: once for a frozen bottom (a reused release costs nothing),
-once per epoch for a trainable one.
+:func:`fit` is the one training loop, whatever the customer's transport: in this process (:func:`connect` sets
+both parties up; :func:`fine_tune`) or over HTTP (:meth:`privlm.sap.Client.fit`). The customer's held-out
+validation texts choose the epoch; test texts, when given, are only scored (at every epoch, so the chosen epoch's
+test accuracy can be read off without selecting anything on them). Validation and test texts are privatized once
+per bottom state: once for a frozen bottom (a reused release costs nothing), once per epoch for a trainable one.
+
+Resuming. The vendor keeps its state at every epoch's end (the epoch is chosen at the end of the run). A vendor
+that restarts resumes from its last checkpoint, whose step the transport reports (:class:`VendorBehindError`
+when it lost steps); the loop keeps the customer's own state at that step (:meth:`Customer.state`) and rewinds to
+it, then replays the steps from there: the same batches, and for a trainable bottom the same releases, resent as
+they were (kept since the checkpoint, ``Customer.keep_releases``), charged once; the noise generator is never
+rewound, so no noise is used twice.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,14 +25,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from privlm._validation import check_positive_int
 from privlm.accounting import Ledger
 from privlm.sap.config import SapConfig
 from privlm.sap.cti import CtiReport
-from privlm.sap.customer import Customer, PrivacyAccount, check_every_class_present, check_labels
+from privlm.sap.customer import (
+    Customer,
+    CustomerState,
+    PrivacyAccount,
+    TokenizedTexts,
+    check_every_class_present,
+    check_labels,
+)
 from privlm.sap.messages import PrivatizedBatch
 from privlm.sap.model import SplitParts
-from privlm.sap.transport import InProcessTransport, Observer, Traffic
+from privlm.sap.transport import InProcessTransport, Observer, Traffic, VendorBehindError
 from privlm.sap.vendor import Vendor
+
+MAX_REWINDS_WITHOUT_PROGRESS = 3
 
 
 @dataclass
@@ -64,16 +83,20 @@ class EpochRecord:
 
 @dataclass
 class FitResult:
+    """What a fine-tuning run achieved and cost, in this process or over HTTP (``traffic`` and ``account`` as the
+    run left them: the customer's own go on counting what it sends after, its predictions)."""
+
     epochs: list[EpochRecord]
     best_epoch: int  # 1-based, chosen on validation accuracy (first of ties)
     steps: int
     traffic: Traffic
     wall_seconds: float
-    vendor_seconds: float
+    vendor_seconds: float  # in this process the vendor's compute; over HTTP the round trips the customer waited on
     account: PrivacyAccount
     cti: CtiReport | None
     truncated: dict[str, int] = field(default_factory=dict)
-    adapter_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    stopped_early: bool = False  # validation stopped improving for ``patience`` epochs
+    rewinds: int = 0  # times the vendor restarted from a checkpoint and the customer replayed steps
 
     @property
     def best(self) -> EpochRecord:
@@ -81,16 +104,19 @@ class FitResult:
 
     @property
     def customer_seconds(self) -> float:
-        """Wall time not spent in the vendor: the customer's compute and the (in-process) transport."""
+        """Wall time not spent waiting on the vendor: the customer's compute (and, in process, the transport)."""
         return self.wall_seconds - self.vendor_seconds
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"epochs": [vars(e) for e in self.epochs], "best_epoch": self.best_epoch, "steps": self.steps,
+    def to_dict(self, *, vocabulary: Sequence[str] | None = None) -> dict[str, Any]:
+        """Plain JSON values; with ``vocabulary`` (token strings by id) the CTI report names its tokens."""
+        return {"epochs": [vars(e) for e in self.epochs], "best_epoch": self.best_epoch,
+                "stopped_early": self.stopped_early, "steps": self.steps, "rewinds": self.rewinds,
                 "validation_accuracy": self.best.validation_accuracy, "test_accuracy": self.best.test_accuracy,
                 "traffic": self.traffic.to_dict(), "bytes_per_step": self.bytes_per_step(),
                 "wall_seconds": self.wall_seconds, "vendor_seconds": self.vendor_seconds,
                 "customer_seconds": self.customer_seconds, "privacy": self.account.to_dict(),
-                "cti": None if self.cti is None else self.cti.to_dict(), "truncated": self.truncated}
+                "cti": None if self.cti is None else self.cti.to_dict(vocabulary=vocabulary),
+                "truncated": self.truncated}
 
     def bytes_per_step(self) -> float:
         """Payload bytes both ways of the training steps (forward passes, outputs, gradients) per step; a frozen
@@ -146,41 +172,106 @@ class HeldOut:
         return _accuracy(self.customer.predict(self.tokens, released=self.released), self.labels)
 
 
-@dataclass
-class _Snapshot:
-    """The trained state at the best epoch so far: vendor adapter, customer head and (trainable) bottom."""
+class _Run:
+    """One call of :func:`fit`: the losses by step, the epochs scored, the customer's states kept (at the best
+    epoch so far, to choose it; at the vendor's last checkpoint, to rewind to)."""
 
-    adapter: dict[str, torch.Tensor]
-    head: dict[str, torch.Tensor] | None
-    bottom: dict[str, torch.Tensor] | None
+    def __init__(self, customer: Customer, train: TokenizedTexts, labels: torch.Tensor, validation: HeldOut,
+                 test: HeldOut | None) -> None:
+        config = customer.config
+        self.customer, self.transport = customer, customer.transport
+        self.train, self.labels, self.validation, self.test = train, labels, validation, test
+        self.schedule = Schedule(len(train), batch_size=config.batch_size, epochs=config.epochs, seed=config.seed)
+        self.first = customer.step  # the schedule's step 0: a customer may be trained again
+        self.losses: dict[int, float] = {}  # by step: a replayed step counts once
+        self.records: list[EpochRecord] = []
+        self.kept: dict[int, tuple[int, CustomerState]] = {}  # the best epoch so far: its last step, the state then
+        self.resumable: dict[int, CustomerState] = {}
+        self.rewinds = self.stalled = 0
+        self._remember_if_checkpointed()
 
-    @classmethod
-    def take(cls, parties: Parties) -> _Snapshot:
-        customer = parties.customer
+    @property
+    def done(self) -> int:
+        return self.customer.step - self.first
 
-        def copy(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
-            return None if module is None else {k: v.detach().clone() for k, v in module.state_dict().items()}
-        return cls(adapter=parties.vendor.adapter_state(), head=copy(customer.head),
-                   bottom=copy(customer.bottom) if customer.config.trainable_bottom else None)
+    def advance(self, patience: int | None) -> bool:
+        """One training step and, at an epoch's end, its scores; whether ``patience`` ran out."""
+        step = self.done
+        try:
+            self.losses[step] = self.customer.train_step(self.train, self.labels, self.schedule.batch(step))
+            self._remember_if_checkpointed()
+            if not self.schedule.ends_epoch(step):
+                return False
+            epoch, best = self._end_epoch(), self.best()
+        except VendorBehindError as error:
+            self._rewind(error, step)
+            return False
+        return patience is not None and epoch - best.epoch >= patience
 
-    def restore(self, parties: Parties) -> None:
-        parties.vendor.load_adapter_state(self.adapter)
-        if self.head is not None and parties.customer.head is not None:
-            parties.customer.head.load_state_dict(self.head)
-        if self.bottom is not None:
-            parties.customer.bottom.load_state_dict(self.bottom)
+    def _end_epoch(self) -> int:
+        """Score the epoch just ended; the vendor keeps its state, and the customer its own if it is the best."""
+        per_epoch, step = self.schedule.steps_per_epoch, self.done
+        epoch = step // per_epoch
+        del self.records[epoch - 1:]  # a rewind past an epoch's end scores it again
+        self.records.append(EpochRecord(
+            epoch=epoch, train_loss=float(np.mean([self.losses[s] for s in range(step - per_epoch, step)])),
+            validation_accuracy=self.validation.accuracy(),
+            test_accuracy=None if self.test is None else self.test.accuracy()))
+        self.transport.keep(self.customer.step)
+        state = self.customer.state()
+        self._remember_if_checkpointed(state)
+        if self.best().epoch == epoch:
+            self.kept = {epoch: (self.customer.step, state)}
+        return epoch
+
+    def best(self) -> EpochRecord:
+        return max(self.records, key=lambda r: (r.validation_accuracy, -r.epoch))
+
+    def _remember_if_checkpointed(self, state: CustomerState | None = None) -> None:
+        """The vendor checkpointed at this step: it resumes from there at worst, so older state can go."""
+        step = self.customer.step
+        if self.transport.checkpoint_step != step:
+            return
+        self.resumable = {step: state if state is not None else self.customer.state()}
+        self.customer.sent_releases = {s: r for s, r in self.customer.sent_releases.items() if s >= step}
+
+    def _rewind(self, error: VendorBehindError, step: int) -> None:
+        """The vendor restarted from its last checkpoint: back to the customer's state there, to replay."""
+        resumed = self.transport.resumed_at()
+        state = self.resumable.get(resumed)
+        if state is None:
+            raise VendorBehindError(f"the vendor resumed at step {resumed}, but this customer holds its own state "
+                                    f"only at step(s) {sorted(self.resumable)}: cannot resume") from error
+        self.customer.load_state(state)
+        self.rewinds += 1
+        self.stalled = self.stalled + 1 if self.done <= step else 0
+        if self.stalled > MAX_REWINDS_WITHOUT_PROGRESS:
+            raise VendorBehindError(f"the vendor sent this customer back {self.stalled} times without a step taken "
+                                    f"in between (last: {error}); giving up") from error
+
+    def choose(self) -> EpochRecord:
+        """Both parties back to the best epoch's state (the customer's step count goes on)."""
+        best = self.best()
+        step, state = self.kept[best.epoch]
+        self.transport.select(step)
+        taken = self.customer.step
+        self.customer.load_state(state)
+        self.customer.step, self.customer.sent_releases = taken, {}
+        return best
 
 
-def fine_tune(parties: Parties, train_texts: Sequence[str], train_labels: Sequence[int] | np.ndarray,
-              validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray, *,
-              test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | np.ndarray | None = None,
-              progress: bool = False) -> FitResult:
-    """Train for ``config.epochs`` epochs; score validation (and test) after each; keep the epoch best on validation
-    (both parties are left in that epoch's state)."""
+def fit(customer: Customer, train_texts: Sequence[str], train_labels: Sequence[int] | np.ndarray,
+        validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray, *,
+        test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | np.ndarray | None = None,
+        patience: int | None = None, progress: bool = False) -> FitResult:
+    """Train for ``config.epochs`` epochs (fewer when validation accuracy has not improved for ``patience``
+    epochs), over the customer's transport; score validation (and test) after each; both parties are left in the
+    epoch best on validation (the vendor serves its adapter)."""
     from rich.progress import Progress
 
-    customer, config = parties.customer, parties.customer.config
-    start = time.perf_counter()
+    if patience is not None:
+        check_positive_int("patience", patience)
+    start, config = time.perf_counter(), customer.config
     train = customer.tokenize(train_texts)
     labels = check_labels(train_labels, n=len(train), n_classes=customer.n_classes)
     check_every_class_present(labels, customer.n_classes)
@@ -189,29 +280,26 @@ def fine_tune(parties: Parties, train_texts: Sequence[str], train_labels: Sequen
     test = None if test_texts is None else HeldOut(customer, test_texts, test_labels, customer.n_classes)
     if not config.trainable_bottom:
         customer.upload(train)
-    schedule = Schedule(len(train), batch_size=config.batch_size, epochs=config.epochs, seed=config.seed)
-    records: list[EpochRecord] = []
-    best: _Snapshot | None = None
-    losses: list[float] = []
+    run = _Run(customer, train, labels, validation, test)
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("SAP fine-tuning", total=schedule.total_steps)
-        for step in range(schedule.total_steps):
-            losses.append(customer.train_step(train, labels, schedule.batch(step)))
-            bar.advance(task)
-            if not schedule.ends_epoch(step):
-                continue
-            records.append(EpochRecord(epoch=len(records) + 1, train_loss=float(np.mean(losses)),
-                                       validation_accuracy=validation.accuracy(),
-                                       test_accuracy=None if test is None else test.accuracy()))
-            losses = []
-            if best is None or records[-1].validation_accuracy > max(r.validation_accuracy for r in records[:-1]):
-                best = _Snapshot.take(parties)
-    chosen = max(records, key=lambda r: (r.validation_accuracy, -r.epoch)).epoch
-    assert best is not None
-    best.restore(parties)
+        task = bar.add_task("SAP fine-tuning", total=run.schedule.total_steps)
+        while run.done < run.schedule.total_steps and not run.advance(patience):
+            bar.update(task, completed=run.done)
+    best = run.choose()
     truncated = {"train": train.truncated, "validation": validation.tokens.truncated}
     if test is not None:
         truncated["test"] = test.tokens.truncated
-    return FitResult(epochs=records, best_epoch=chosen, steps=customer.step, traffic=parties.transport.traffic,
-                     wall_seconds=time.perf_counter() - start, vendor_seconds=parties.transport.traffic.vendor_seconds,
-                     account=customer.account, cti=cti, truncated=truncated, adapter_state=best.adapter)
+    traffic = customer.transport.traffic
+    return FitResult(epochs=run.records, best_epoch=best.epoch, steps=customer.step, traffic=copy.deepcopy(traffic),
+                     wall_seconds=time.perf_counter() - start, vendor_seconds=traffic.vendor_seconds,
+                     account=copy.deepcopy(customer.account), cti=cti, truncated=truncated,
+                     stopped_early=len(run.records) < config.epochs, rewinds=run.rewinds)
+
+
+def fine_tune(parties: Parties, train_texts: Sequence[str], train_labels: Sequence[int] | np.ndarray,
+              validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray, *,
+              test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | np.ndarray | None = None,
+              patience: int | None = None, progress: bool = False) -> FitResult:
+    """:func:`fit` for parties :func:`connect` made in this process."""
+    return fit(parties.customer, train_texts, train_labels, validation_texts, validation_labels,
+               test_texts=test_texts, test_labels=test_labels, patience=patience, progress=progress)

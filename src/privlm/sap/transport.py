@@ -1,8 +1,10 @@
-"""How the two parties talk: a transport carries one customer message to the vendor and its answer back.
+"""How the two parties talk: a transport carries one customer message to the vendor and its answer back, and
+asks the vendor to keep (and later to serve) its trained state at an epoch's end.
 
 :class:`InProcessTransport` is the library's (tests, benchmarks): every message goes through its bytes
 (``messages.to_bytes``/``from_bytes``, safetensors), so the parties share no tensor and the byte counts are the
-real payload sizes. An HTTP transport (issue 14) implements the same ``exchange``.
+real payload sizes. ``privlm.sap.service.client.HttpTransport`` implements the same protocol over HTTP, and
+:func:`privlm.sap.training.fit` drives either.
 """
 
 from __future__ import annotations
@@ -11,12 +13,39 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import torch
+
 from privlm.sap.messages import CustomerMessage, Forward, Upload, VendorMessage, from_bytes, to_bytes
 from privlm.sap.vendor import Vendor
 
 
+class VendorBehindError(RuntimeError):
+    """The vendor lost steps (it restarted from its last checkpoint): the customer rewinds to that step and
+    replays; raised out of the training loop when it cannot."""
+
+
 class Transport(Protocol):
-    def exchange(self, message: CustomerMessage) -> VendorMessage: ...
+    """The vendor as the customer reaches it."""
+
+    traffic: Traffic
+
+    @property
+    def checkpoint_step(self) -> int | None:
+        """The step of the vendor's last checkpoint, where a restart would take it back to; None for a vendor
+        that never loses a step (in this process)."""
+
+    def exchange(self, message: CustomerMessage) -> VendorMessage:
+        """One message to the vendor and its answer; :class:`VendorBehindError` when the vendor lost steps."""
+
+    def keep(self, step: int) -> None:
+        """Have the vendor keep its trained state at ``step`` (an epoch's end: where it is now), to
+        :meth:`select` later; :class:`VendorBehindError` when it is not at ``step``."""
+
+    def select(self, step: int) -> None:
+        """Have the vendor go back to, and serve, the state it kept at ``step`` (the chosen epoch's)."""
+
+    def resumed_at(self) -> int:
+        """The step the vendor is at (after a restart, its last checkpoint's)."""
 
 
 Purpose = Literal["upload", "training", "inference"]
@@ -69,10 +98,13 @@ Observer = Callable[[CustomerMessage], None]
 class InProcessTransport:
     """The vendor in this process. ``observer`` sees every message exactly as the vendor receives it (attacks)."""
 
+    checkpoint_step: int | None = None  # the vendor here never loses a step
+
     def __init__(self, vendor: Vendor, *, observer: Observer | None = None) -> None:
         self.vendor = vendor
         self.observer = observer
         self.traffic = Traffic()
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # step -> the adapter then
 
     def exchange(self, message: CustomerMessage) -> VendorMessage:
         outgoing = to_bytes(message)
@@ -85,3 +117,12 @@ class InProcessTransport:
         answer = to_bytes(reply)
         self.traffic.count(purpose_of(message), to_vendor=len(outgoing), to_customer=len(answer))
         return from_bytes(answer)  # type: ignore[return-value]
+
+    def keep(self, step: int) -> None:
+        self.kept[step] = self.vendor.adapter_state()
+
+    def select(self, step: int) -> None:
+        self.vendor.load_adapter_state(self.kept[step])
+
+    def resumed_at(self) -> int:
+        return self.vendor.steps_done

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from peft import get_peft_model_state_dict
-from safetensors.torch import save_file
 
 from privlm._validation import check_positive_finite
 from privlm.models.partition import TopModel
@@ -318,8 +317,3 @@ class Vendor:
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(self.model, state)
-
-    def save_adapter_state(self, path: str | Path) -> Path:
-        path = Path(path)
-        save_file(self.adapter_state(), str(path))
-        return path

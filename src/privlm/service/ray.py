@@ -9,6 +9,10 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
+from privlm.models.device import resolve_device
+
 try:
     import ray
     from ray import serve
@@ -19,6 +23,14 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 # instead of replacing 127.0.0.1 by the machine's address, and every Ray process binds there.
 _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK = "127.0.0.1"
+
+
+def replica_resources(replica_cpus: float, device: str | torch.device = "auto"
+                      ) -> tuple[dict[str, float], torch.device]:
+    """Ray's actor options for one replica (a GPU when it runs on CUDA) and the device it runs on, resolved where
+    the application is built (``auto``: CUDA when this node has it), so that every replica gets the same one."""
+    resolved = resolve_device(device)
+    return {"num_cpus": replica_cpus, **({"num_gpus": 1} if resolved.type == "cuda" else {})}, resolved
 
 
 def run_blocking(application: serve.Application, *, host: str, port: int, name: str,

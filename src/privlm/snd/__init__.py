@@ -1,22 +1,26 @@
-"""Split-N-Denoise: private sentence embeddings with a client-side denoiser."""
+"""Split-N-Denoise: private sentence embeddings with a client-side denoiser.
 
-from privlm.service import ServerError
+The core (card, denoiser, privatizer, encoder, training) does no I/O; the HTTP clients and the errors of a
+remote server come from :mod:`privlm.snd.service`."""
+
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, save_denoiser
 from privlm.snd.card import DenoiserCard, read_card, write_card
 from privlm.snd.denoiser import Denoiser, DenoiserConfig
-from privlm.snd.encoder import (
-    Encoded,
-    EncodeReport,
+from privlm.snd.encoder import BaseEncoder, Encoded, EncodeReport, PlainEncoder, SnDEncoder
+from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
+from privlm.snd.service.client import (
+    AsyncClient,
+    BaseClient,
+    Client,
     IncompleteEncodingError,
     ModelChangedError,
-    PlainEncoder,
-    SnDEncoder,
+    ServerError,
 )
-from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
-from privlm.snd.service.client import AsyncClient, Client
 
 __all__ = [
     "AsyncClient",
+    "BaseClient",
+    "BaseEncoder",
     "Client",
     "Denoiser",
     "DenoiserCard",

@@ -25,62 +25,52 @@ Variants (same architecture and training; ``variant``):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
-
-from privlm._validation import check_choice, check_positive_finite, check_positive_int
 
 Variant = Literal["snd", "server", "local"]
 Layout = Literal["fused", "sequence"]
 Readout = Literal["e_n", "query"]
 VARIANTS: tuple[Variant, ...] = ("snd", "server", "local")
-LAYOUTS: tuple[Layout, ...] = ("fused", "sequence")
-READOUTS: tuple[Readout, ...] = ("e_n", "query")
 _ETA_FREQUENCIES = 8
+EtaBound = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-@dataclass(frozen=True, kw_only=True)
-class DenoiserConfig:
-    dim: int
-    n_layers: int = 3
-    n_heads: int = 6
-    d_ff: int = 768
-    dropout: float = 0.1
-    max_tokens: int = 512
+class DenoiserConfig(BaseModel):
+    """The denoiser's architecture, part of its card: checked on construction and on every read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    dim: PositiveInt
+    n_layers: PositiveInt = 3
+    n_heads: PositiveInt = 6
+    d_ff: PositiveInt = 768
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    max_tokens: PositiveInt = 512
     variant: Variant = "snd"
     layout: Layout = "fused"
     eta_conditioned: bool = True
     residual: bool = True  # output = e_n + head(h_0); False: head(h_0) alone, as in the paper
     readout: Readout = "e_n"  # read at e_n's row (the paper), or at an extra learned query row before it
-    eta_min: float = 10.0
-    eta_max: float = 200.0
+    eta_min: EtaBound = 10.0
+    eta_max: EtaBound = 200.0
 
-    def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "d_ff", "max_tokens"):
-            check_positive_int(name, getattr(self, name))
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
-        check_choice("variant", self.variant, VARIANTS)
-        check_choice("layout", self.layout, LAYOUTS)
-        check_choice("readout", self.readout, READOUTS)
-        check_positive_finite("eta_min", self.eta_min)
-        check_positive_finite("eta_max", self.eta_max)
         if self.eta_min > self.eta_max:
             raise ValueError(f"eta_min={self.eta_min} must be <= eta_max={self.eta_max}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        return self
 
     @classmethod
     def for_model(cls, dim: int, **overrides: Any) -> DenoiserConfig:
         """Sizes after the SnD paper's Table 8, scaled to the model width (MiniLM: 384 -> 3 layers, 6 heads)."""
         heads = next(h for h in ((6, 8) if dim <= 512 else (8, 12, 16)) + (4, 2, 1) if dim % h == 0)
-        return replace(cls(dim=dim, n_heads=heads, d_ff=2 * dim, n_layers=3 if dim <= 512 else 6), **overrides)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return cls(**{"dim": dim, "n_heads": heads, "d_ff": 2 * dim, "n_layers": 3 if dim <= 512 else 6} | overrides)
 
 
 class Denoiser(nn.Module):

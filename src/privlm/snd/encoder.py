@@ -3,7 +3,7 @@
 ``SnDEncoder(model="minilm", eta=50).encode(texts)`` returns a float32 (n, d) array like
 sentence-transformers' ``encode``; ``encode_with_report`` also returns what happened to the inputs.
 Here the "server" is the same process; ``privlm.snd.Client`` puts a network between the two halves
-without changing the math.
+without changing the math: it drives the same I/O-free steps (:class:`BaseEncoder`).
 
 Everything one call needs (its tokens, its generator, its report) lives in that call, so one encoder
 serves concurrent callers. With a ledger, the whole call's release is checked and spent first.
@@ -25,7 +25,6 @@ from privlm.mechanisms import NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
 from privlm.models.batching import length_sorted_batches
 from privlm.models.client import TRUNCATION_POLICIES
-from privlm.service import RequestRefusedError, ServerError
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_outside_range
 from privlm.snd.card import DenoiserCard
 from privlm.snd.denoiser import Denoiser
@@ -55,29 +54,6 @@ class Encoded:
     report: EncodeReport
 
 
-class ModelChangedError(ServerError):
-    """An answer came from other weights than the bundle's: the server now runs another model."""
-
-
-class IncompleteEncodingError(ServerError):
-    """The server failed or refused part-way through a call. Nothing finished is lost: ``encoded.vectors``
-    holds the rows of the texts in ``done`` (NaN elsewhere), computed by the weights ``weights_fingerprint``
-    (None in-process). Encode the texts at ``missing`` again to finish, which is a new release (the failed
-    batches may have reached the server) — unless the cause is a :class:`ModelChangedError`: rows of two
-    models must not be combined, so then encode every text again with a new client."""
-
-    def __init__(self, encoded: Encoded, done: Sequence[int], cause: BaseException, *,
-                 weights_fingerprint: str | None = None) -> None:
-        self.encoded, self.done, self.weights_fingerprint = encoded, sorted(done), weights_fingerprint
-        finished = set(self.done)
-        self.missing = [i for i in range(len(encoded.vectors)) if i not in finished]
-        advice = ("the server's model changed: encode every text again with a new client (rows of two models must "
-                  "not be combined)" if isinstance(cause, ModelChangedError) else
-                  "error.encoded holds them, error.missing lists the texts still to encode")
-        super().__init__(f"{len(self.done)} of {len(encoded.vectors)} texts were encoded before the server failed "
-                         f"({cause}); {advice}")
-
-
 @dataclass
 class EncodeCall:
     """The state of one call: its tokens, batches, generator and report (never shared between calls)."""
@@ -92,8 +68,10 @@ def resolve_model(model: str | Path | SplitModel, device: str | torch.device) ->
     return model if isinstance(model, SplitModel) else SplitModel.from_pretrained(model, device=device)
 
 
-class SnDEncoder:
-    """Split-N-Denoise sentence embeddings at privacy level ``eta`` (eta * d_chi-privacy per token).
+class BaseEncoder:
+    """The I/O-free steps of Split-N-Denoise at privacy level ``eta`` (eta * d_chi-privacy per token): privatize,
+    begin a call (tokenize, warn, spend), denoise. Releasing X~ to the server half is the driver's:
+    :class:`SnDEncoder` in this process, ``privlm.snd.Client`` and ``AsyncClient`` over HTTP.
 
     ``denoiser``: ``"default"`` (the one shipped for a packaged model), a folder written by
     ``privlm snd train``, or None for no denoising (the clipped TokEmbPriv ablation).
@@ -103,19 +81,11 @@ class SnDEncoder:
     ``ledger``: every call's release (eta per token row) is spent there first, for the call's principal.
     """
 
-    weights_fingerprint: str | None = None  # of the remote weights whose answers it accepts (in-process: none)
-
-    def __init__(self, model: str | Path | TokenEmbedder = "minilm", *, eta: float,
-                 denoiser: str | Path | None = "default", clip: bool | None = None, sampler: NoiseSampler = "gamma",
-                 device: str | torch.device = "auto", batch_size: int = 64, truncation: TruncationPolicy = "warn",
-                 generator: torch.Generator | None = None, server: ServerFn | None = None,
+    def __init__(self, model: TokenEmbedder, *, eta: float, denoiser: str | Path | None = "default",
+                 clip: bool | None = None, sampler: NoiseSampler = "gamma", batch_size: int = 64,
+                 truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
                  ledger: Ledger | None = None) -> None:
-        self.model = model if isinstance(model, TokenEmbedder) else resolve_model(model, device)
-        if server is None:
-            if not isinstance(self.model, SplitModel):
-                raise ValueError("a client-only model needs a server function (see privlm.snd.Client)")
-            server = self.model.encode
-        self._server = server
+        self.model = model
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.truncation: TruncationPolicy = check_choice("truncation", truncation, ("warn", "error"))
         self.denoiser, self.card = self._load_denoiser(denoiser)
@@ -149,15 +119,11 @@ class SnDEncoder:
             denoiser = path
         return load_denoiser(denoiser, model=self.model)
 
-    # --- the three steps ------------------------------------------------------------------------
+    # --- the I/O-free steps: privatize, begin a call, denoise ---------------------------------------
     def privatize(self, texts: Sequence[str] | Tokens, *, truncation: TruncationPolicy | None = None,
                   generator: torch.Generator | None = None) -> PrivateBatch:
         """Client: tokenize, embed, noise, clip."""
         return self.privatizer.privatize(texts, truncation=truncation or self.truncation, generator=generator)
-
-    def server_encode(self, private: PrivateBatch) -> torch.Tensor:
-        """Server: sees X~ and the mask only (in-process here; over HTTP in ``privlm.snd.Client``)."""
-        return self._server(private.noisy, private.attention_mask).to(private.noisy.device)
 
     @torch.inference_mode()
     def denoise(self, private: PrivateBatch, e_n: torch.Tensor) -> torch.Tensor:
@@ -167,33 +133,6 @@ class SnDEncoder:
         eta = torch.full((len(e_n),), self.eta, device=e_n.device)
         out = self.denoiser(e_n, private.noisy, private.noise, private.attention_mask, eta)
         return torch.nn.functional.normalize(out, dim=-1) if self.model.normalize else out
-
-    # --- one call -----------------------------------------------------------------------------------
-    def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:
-        """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
-        return self.encode_with_report(texts, batch_size=batch_size).vectors
-
-    def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
-                           principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> Encoded:
-        """The embeddings and this call's report; ``texts`` may come tokenized already (``model.tokens``).
-        ``truncation`` overrides the encoder's policy for this call ("count": cut and report, no warning)."""
-        call = self.begin(texts, batch_size=batch_size, principal=principal, truncation=truncation)
-        out = np.full((len(call.tokens), self.model.hidden_size), np.nan, dtype=np.float32)
-        done: list[int] = []
-        for indices in call.batches:
-            try:
-                out[indices] = self.encode_batch(call, indices)
-            except (ServerError, RequestRefusedError) as error:
-                raise IncompleteEncodingError(Encoded(out, call.report), done, error,
-                                              weights_fingerprint=self.weights_fingerprint) from error
-            done.extend(indices)
-        return Encoded(out, call.report)
-
-    @torch.inference_mode()
-    def encode_batch(self, call: EncodeCall, indices: Sequence[int]) -> np.ndarray:
-        """One batch of a call: privatize, release to the server, denoise; (len(indices), d) float32."""
-        private = self.privatize(call.tokens.subset(indices), generator=call.generator)
-        return self.denoise(private, self._release(call, private)).float().cpu().numpy()
 
     def begin(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
               principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> EncodeCall:
@@ -224,15 +163,64 @@ class SnDEncoder:
         generator = self.privatizer.generator or make_generator(device=self.model.device)
         return EncodeCall(tokens=tokens, batches=batches, generator=generator, report=report)
 
+    def no_server_answer(self, private: PrivateBatch) -> torch.Tensor:
+        """What the local-only model puts where e_n would be: zeros (its denoiser ignores them)."""
+        return torch.zeros(len(private.noisy), self.model.hidden_size, device=self.model.device)
+
+    def blank_rows(self, call: EncodeCall) -> np.ndarray:
+        """The (n, d) float32 rows of a call, NaN until a batch fills them."""
+        return np.full((len(call.tokens), self.model.hidden_size), np.nan, dtype=np.float32)
+
+
+class SnDEncoder(BaseEncoder):
+    """Split-N-Denoise sentence embeddings in this process (see :class:`BaseEncoder` for the settings).
+
+    ``server``: the server half, (X~, mask) -> e_n; None: the model's own (a :class:`SplitModel`).
+    """
+
+    def __init__(self, model: str | Path | TokenEmbedder = "minilm", *, eta: float,
+                 denoiser: str | Path | None = "default", clip: bool | None = None, sampler: NoiseSampler = "gamma",
+                 device: str | torch.device = "auto", batch_size: int = 64, truncation: TruncationPolicy = "warn",
+                 generator: torch.Generator | None = None, server: ServerFn | None = None,
+                 ledger: Ledger | None = None) -> None:
+        model = model if isinstance(model, TokenEmbedder) else resolve_model(model, device)
+        if server is None:
+            if not isinstance(model, SplitModel):
+                raise ValueError("a client-only model needs a server function (see privlm.snd.Client)")
+            server = model.encode
+        self._server = server
+        super().__init__(model, eta=eta, denoiser=denoiser, clip=clip, sampler=sampler, batch_size=batch_size,
+                         truncation=truncation, generator=generator, ledger=ledger)
+
+    def server_encode(self, private: PrivateBatch) -> torch.Tensor:
+        """Server: sees X~ and the mask only (in-process here; over HTTP in ``privlm.snd.Client``)."""
+        return self._server(private.noisy, private.attention_mask).to(private.noisy.device)
+
+    def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:
+        """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
+        return self.encode_with_report(texts, batch_size=batch_size).vectors
+
+    def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
+                           principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> Encoded:
+        """The embeddings and this call's report; ``texts`` may come tokenized already (``model.tokens``).
+        ``truncation`` overrides the encoder's policy for this call ("count": cut and report, no warning)."""
+        call = self.begin(texts, batch_size=batch_size, principal=principal, truncation=truncation)
+        out = self.blank_rows(call)
+        for indices in call.batches:
+            out[indices] = self.encode_batch(call, indices)
+        return Encoded(out, call.report)
+
+    @torch.inference_mode()
+    def encode_batch(self, call: EncodeCall, indices: Sequence[int]) -> np.ndarray:
+        """One batch of a call: privatize, release to the server, denoise; (len(indices), d) float32."""
+        private = self.privatize(call.tokens.subset(indices), generator=call.generator)
+        return self.denoise(private, self._release(call, private)).float().cpu().numpy()
+
     def _release(self, call: EncodeCall, private: PrivateBatch) -> torch.Tensor:
         if not self.needs_server:
             return self.no_server_answer(private)
         call.report.server_calls += 1
         return self.server_encode(private)
-
-    def no_server_answer(self, private: PrivateBatch) -> torch.Tensor:
-        """What the local-only model puts where e_n would be: zeros (its denoiser ignores them)."""
-        return torch.zeros(len(private.noisy), self.model.hidden_size, device=self.model.device)
 
 
 class PlainEncoder:

@@ -11,14 +11,16 @@ answer.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -252,3 +254,25 @@ def read_rows(body: bytes, headers: Mapping[str, str], *, rows: int | None = Non
     if (rows is not None and out.shape[0] != rows) or (dim is not None and out.shape[1] != dim):
         raise WireError(f"answer has shape {tuple(out.shape)}, expected ({rows}, {dim})", status=502, limit="shape")
     return out.float()
+
+
+def read_safetensors_metadata(source: bytes | str | Path) -> dict[str, str]:
+    """The string metadata (``__metadata__``) of safetensors bytes or of a file, without reading a tensor.
+
+    A file's header is read by the safetensors library (which bounds it); bytes are parsed here, the header's
+    declared size checked against the bytes before it is sliced. Anything malformed is a ``ValueError``.
+    """
+    if not isinstance(source, bytes):
+        try:
+            with safe_open(str(source), framework="pt") as handle:
+                return dict(handle.metadata() or {})
+        except SafetensorError as error:
+            raise ValueError(f"{source} is not a safetensors file: {error}") from error
+    size = int.from_bytes(source[:8], "little")
+    if len(source) < 8 or size > len(source) - 8:
+        raise ValueError(f"not safetensors: a header of {size} bytes declared in {len(source)} bytes")
+    header = json.loads(source[8:8 + size])  # a JSONDecodeError is a ValueError
+    metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("not safetensors: its __metadata__ is not a table of strings")
+    return metadata

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from privlm.models.chat import ChatModel
-from privlm.service.llm_server import create_llm_app
+from privlm_bench.chat.llm_server import create_llm_app
 from tests.service.localhost import serving
 from tests.support.chat import EPS, TIMEOUT, chat_gateway
 

@@ -29,7 +29,7 @@ def test_the_customer_command_fine_tunes_from_a_file(vendor_model, tmp_path, mon
     assert "validation accuracy" in result.output and "eta-token" in result.output
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert len(report["epochs"]) == 2 and report["steps"] == 2 * 4  # 13 training texts in batches of 4, 2 epochs
-    assert report["account"]["eta_tokens"] > 0 and report["traffic"]["by_purpose"]["training"]["messages"] == 16
+    assert report["privacy"]["eta_tokens"] > 0 and report["traffic"]["by_purpose"]["training"]["messages"] == 16
     with safe_open(str(tmp_path / "run" / "adapter.safetensors"), "pt") as adapter:
         assert any("lora_B" in name for name in adapter.keys())  # noqa: SIM118 - safe_open has no __iter__
         assert json.loads(adapter.metadata()["facts"])["head"] == "customer"

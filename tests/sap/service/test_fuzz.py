@@ -6,8 +6,8 @@ import httpx
 import pytest
 import schemathesis
 
-from privlm.sap.service.routes import SAP_MESSAGE, SESSIONS_PATH
 from privlm.sap.service.server import create_vendor_app
+from privlm.sap.service.wire import SAP_MESSAGE, SESSIONS_PATH
 from tests.sap.service.conftest import KEYS
 from tests.service.fuzz import fuzz_openapi
 from tests.service.localhost import serving

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from privlm.sap import Forward, OutputGradient, PrivatizedBatch, StepDone, Upload, from_bytes, to_bytes
-from privlm.sap.service.routes import SESSIONS_PATH
 from privlm.sap.service.server import create_vendor_app
 from privlm.sap.service.sessions import SessionLimits
+from privlm.sap.service.wire import SESSIONS_PATH
 from tests.sap.service.conftest import KEYS
 from tests.service.localhost import serving
 

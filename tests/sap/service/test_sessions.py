@@ -7,8 +7,9 @@ import torch
 from privlm.models.loading import load_pretrained
 from privlm.models.partition import split_model
 from privlm.sap import Forward, OutputGradient, PrivatizedBatch, StepDone, TopOutput, Upload, from_bytes, to_bytes
-from privlm.sap.service.sessions import SessionRequest, VendorSessions
+from privlm.sap.service.sessions import VendorSessions
 from privlm.sap.service.store import SessionStore
+from privlm.sap.service.wire import SessionRequest
 
 
 def _replicas(vendor_model, store_dir):  # type: ignore[no-untyped-def]

@@ -20,8 +20,8 @@ import privlm.cli  # registers every command
 import privlm.service
 from privlm.accounting import SecretFileError
 from privlm.cli.app import app
-from privlm.sap.service.routes import SESSIONS_PATH
 from privlm.sap.service.server import create_vendor_app
+from privlm.sap.service.wire import SESSIONS_PATH
 from tests.sap.service.conftest import KEYS
 from tests.sap.service.test_numeric_limits import _Session
 from tests.sap.service.test_vendor_server import _fingerprint, _session

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from privlm.attacks import label_inference_from_logit_gradients
 from privlm.sap import Forward, OutputGradient, SapConfig, Upload, from_bytes
 from privlm.sap.service.client import Client
-from privlm.sap.service.routes import SESSIONS_PATH
 from privlm.sap.service.server import create_vendor_app
+from privlm.sap.service.wire import SESSIONS_PATH
 from privlm.sap.training import Schedule
 from tests.sap.service.conftest import KEYS
 from tests.service.leaks import id_patterns

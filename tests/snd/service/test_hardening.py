@@ -109,6 +109,15 @@ def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny_bert, tmp_p
         Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
 
 
+@pytest.mark.parametrize("edit", [lambda m: m["model"].pop("weights_fingerprint"), lambda m: m.update(extra=1),
+                                  lambda m: m["model"].update(dim=-3)], ids=["old-server", "unknown-key", "bad-fact"])
+def test_finding_1_a_manifest_that_is_not_an_snd_manifest_is_refused_before_any_file(tiny_bert, tmp_path, edit):
+    server = Counting(hostile_bundle_app(tiny_bert, {}, extra=edit))
+    with serving(server) as url, pytest.raises(ServerError, match="not a SnDManifest"):
+        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+    assert server.paths == [BUNDLE_PATH]
+
+
 def test_finding_1_the_snd_bundle_holds_only_the_files_clients_accept(tiny_bert):
     assert all(is_snd_bundle_file(name) for name in snd_bundle(tiny_bert, []).files)
     assert all(is_snd_bundle_file(name) for name in ["denoisers/d/denoiser.safetensors", "denoisers/d/denoiser.json"])

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_positive_finite, check_positive_int
+from privlm._validation import check_positive_int
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.cape.model import Cape
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PromptReport, TextPerturber
+from privlm.models.text_mechanisms import check_epsilon
 from privlm.service import ServiceError
 
 PerturberFactory = Callable[[float, torch.Generator, Ledger | None, str], TextPerturber]
@@ -111,7 +112,7 @@ class PromptPrivacy:
                  unit: PrivacyUnit = PrivacyUnit.EPSILON, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
                  device: torch.device | str = "cpu") -> None:
         self.factory, self.mechanism = factory, mechanism
-        self.epsilon = check_positive_finite("epsilon", epsilon)
+        self.epsilon = check_epsilon(epsilon)
         self.count_tokens, self.ledger, self.unit = count_tokens, ledger, unit
         self.max_prompt_tokens = check_positive_int("max_prompt_tokens", max_prompt_tokens)
         self.device = torch.device(device)
@@ -132,7 +133,7 @@ class PromptPrivacy:
         if requested is None:
             return self.epsilon
         try:
-            requested = check_positive_finite(param, requested)  # the one check of an epsilon, as a 400 here
+            requested = check_epsilon(requested, name=param)  # as a 400 here
         except ValueError:
             raise ServiceError(400, f"{param} must be a finite number > 0", param=param,
                                code="invalid_epsilon") from None

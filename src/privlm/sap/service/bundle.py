@@ -1,8 +1,9 @@
 """What a SAP customer downloads from the vendor: the bottom model at one split position and the tokenizer.
 
-``GET /v1/sap/bottoms/<blocks>`` is the manifest (sha256 per file, the bottom's fingerprint);
-``GET /v1/sap/bottoms/<blocks>/files/<name>`` the files: ``bottom.safetensors`` (the bottom's weights only),
-``bottom.json`` (the model config, with no filesystem path, and the fingerprint) and ``tokenizer/<file>``.
+``GET /v1/sap/bottoms/<blocks>`` is the manifest (``wire.BottomManifest``: sha256 per file, the bottom's
+fingerprint); ``GET /v1/sap/bottoms/<blocks>/files/<name>`` the files: ``bottom.safetensors`` (the bottom's
+weights only), ``bottom.json`` (the model config, with no filesystem path, and the fingerprint) and
+``tokenizer/<file>``.
 The top never leaves the vendor.
 """
 
@@ -16,14 +17,8 @@ from pathlib import Path, PurePosixPath
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from privlm.models.partition import BOTTOM_CONFIG, BOTTOM_WEIGHTS, BottomModel, load_bottom
+from privlm.sap.service.wire import BUNDLE_FORMAT, BottomFacts
 from privlm.service import Bundle, ServerError, check_file_name, public_config, public_model_name
-
-BUNDLE_FORMAT = "privlm-sap-bottom-bundle/1"
-BOTTOMS_PATH = "/v1/sap/bottoms"
-
-
-def bundle_path(blocks: int) -> str:
-    return f"{BOTTOMS_PATH}/{blocks}"
 
 
 def is_bottom_bundle_file(name: str) -> bool:
@@ -40,9 +35,9 @@ def bottom_bundle(bottom: BottomModel, tokenizer: PreTrainedTokenizerBase) -> Bu
     config = bottom.config
     public = asdict(config) | {"model_name": public_model_name(config.model_name),
                                "model_config": public_config(config.model_config)}
-    bundle = Bundle(format=BUNDLE_FORMAT, facts={
-        "blocks": config.blocks, "total_blocks": config.total_blocks, "fingerprint": config.fingerprint,
-        "model": public["model_name"], "hidden_size": config.hidden_size, "vocab_size": config.vocab_size})
+    facts = BottomFacts(blocks=config.blocks, total_blocks=config.total_blocks, fingerprint=config.fingerprint,
+                        model=public["model_name"], hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+    bundle = Bundle(format=BUNDLE_FORMAT, facts=facts.model_dump())
     with tempfile.TemporaryDirectory() as folder:
         bottom.save(folder)
         bundle.add(BOTTOM_WEIGHTS, (Path(folder) / BOTTOM_WEIGHTS).read_bytes())

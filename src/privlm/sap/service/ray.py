@@ -21,13 +21,14 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("the Ray Serve deployment needs Ray: pip install 'privlm[ray]'") from error
 
+import torch
 from fastapi import FastAPI
 
 from privlm._validation import check_positive_finite, check_positive_int
 from privlm.sap.messages import MAX_ABS_VALUE
 from privlm.service import ServiceOptions
 from privlm.service.auth import load_keys
-from privlm.service.ray import keep_replica_ports_on_loopback
+from privlm.service.ray import keep_replica_ports_on_loopback, replica_resources
 
 MAX_ONGOING_REQUESTS = 64
 
@@ -37,8 +38,9 @@ class SapVendorServer:
 
     def __init__(self, model: str = "minilm", *, store: str, splits: Sequence[int] = (0,),
                  api_keys: Sequence[str] = (), api_key_file: str | None = None, api_keys_env: str | None = None,
-                 max_sessions: int = 16, max_abs_value: float = MAX_ABS_VALUE, device: str = "cpu",
+                 max_sessions: int = 16, max_abs_value: float = MAX_ABS_VALUE, device: str | torch.device = "auto",
                  service: ServiceOptions | None = None) -> None:
+        """``device``: :func:`sap_vendor_application` passes the one it resolved."""
         from privlm.sap.service.server import create_vendor_app
         from privlm.sap.service.sessions import SessionLimits
 
@@ -65,14 +67,16 @@ SapVendorDeployment = serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS
 def sap_vendor_application(model: str = "minilm", *, store: str, replicas: int = 1, replica_cpus: float = 1.0,
                            splits: Sequence[int] = (0,), api_keys: Sequence[str] = (),
                            api_key_file: str | None = None, api_keys_env: str | None = None, max_sessions: int = 16,
-                           max_abs_value: float = MAX_ABS_VALUE, device: str = "cpu",
+                           max_abs_value: float = MAX_ABS_VALUE, device: str | torch.device = "auto",
                            service: ServiceOptions | None = None) -> Any:
-    """A Ray Serve application of ``replicas`` vendor replicas over the shared ``store``, ready for ``serve.run``."""
+    """A Ray Serve application of ``replicas`` vendor replicas over the shared ``store``, ready for ``serve.run``.
+    ``device`` is resolved here ("auto": CUDA when this machine has it), and a CUDA one reserves a GPU per
+    replica."""
     replicas = check_positive_int("replicas", replicas)
     replica_cpus = check_positive_finite("replica_cpus", replica_cpus)
     max_abs_value = check_positive_finite("max_abs_value", max_abs_value)  # refused here, not in every replica
-    resources = {"num_cpus": replica_cpus, **({"num_gpus": 1} if device.startswith("cuda") else {})}
+    resources, resolved = replica_resources(replica_cpus, device)
     deployment = SapVendorDeployment.options(num_replicas=replicas, ray_actor_options=resources)
     return deployment.bind(model, store=store, splits=list(splits), api_keys=tuple(api_keys),
                            api_key_file=api_key_file, api_keys_env=api_keys_env, max_sessions=max_sessions,
-                           max_abs_value=max_abs_value, device=device, service=dict(service or {}))
+                           max_abs_value=max_abs_value, device=resolved, service=dict(service or {}))

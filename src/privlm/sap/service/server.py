@@ -12,7 +12,8 @@ GET    /v1/sap/sessions/{id}/adapter               the trained adapter (safetens
 DELETE /v1/sap/sessions/{id}                       delete the session and its stored state
 GET    /health, /metrics
 
-Every answer to ``exchange`` carries ``x-privlm-steps-done`` and ``x-privlm-checkpoint-step``. Sessions belong to
+Every answer to ``exchange`` carries ``x-privlm-steps-done`` and ``x-privlm-checkpoint-step``. The JSON bodies are
+the models of :mod:`privlm.sap.service.wire`, which the client reads with too. Sessions belong to
 the API key that opened them: another key is answered 404, as for a session that does not exist.
 """
 
@@ -29,17 +30,26 @@ from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from prometheus_client import Gauge
-from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save as save_safetensors
 
 from privlm.accounting.principals import legacy_principal_of_key
 from privlm.models.device import resolve_device
-from privlm.models.loading import FAMILY_POOLING, load_pretrained
+from privlm.models.loading import load_pretrained
 from privlm.models.partition import split_model
-from privlm.sap.service.bundle import bottom_bundle, bundle_path
-from privlm.sap.service.routes import SAP_MESSAGE, SESSIONS_PATH
-from privlm.sap.service.sessions import SessionInfo, SessionLimits, SessionRequest, VendorSessions
+from privlm.models.pooling import choose_pooling
+from privlm.sap.service.bundle import bottom_bundle
+from privlm.sap.service.sessions import SessionLimits, VendorSessions
 from privlm.sap.service.store import SessionNotFoundError, SessionStore
+from privlm.sap.service.wire import (
+    SAP_MESSAGE,
+    SESSION_ID_PATTERN,
+    SESSIONS_PATH,
+    CheckpointRequest,
+    SelectRequest,
+    SessionInfo,
+    SessionRequest,
+    bundle_path,
+)
 from privlm.service import (
     BearerKeys,
     ErrorBody,
@@ -49,7 +59,7 @@ from privlm.service import (
     public_model_name,
 )
 
-_SESSION_ID = Annotated[str, PathParam(pattern=r"^sap-[0-9a-f]{32}$", description="The session's id.")]
+_SESSION_ID = Annotated[str, PathParam(pattern=SESSION_ID_PATTERN, description="The session's id.")]
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _EXCHANGE_OPENAPI: dict[str, object] = {
     "requestBody": {"required": True, "description": "One SAP customer message (Upload, Forward or "
@@ -57,16 +67,6 @@ _EXCHANGE_OPENAPI: dict[str, object] = {
                     "(privlm.sap.to_bytes).", "content": {SAP_MESSAGE: _BINARY, "application/octet-stream": _BINARY}},
     "responses": {"200": {"description": "The vendor's answer (Uploaded, TopOutput, CutGradient or StepDone), "
                                          "as safetensors bytes.", "content": {SAP_MESSAGE: _BINARY}}}}
-
-
-class CheckpointRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    keep: bool = False
-
-
-class SelectRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    step: int = Field(ge=0, le=2**62)
 
 
 _CONFLICT: dict[int | str, dict[str, Any]] = {409: {
@@ -94,7 +94,7 @@ def _owners_auth(api_keys: tuple[str, ...], store: SessionStore) -> BearerKeys:
 
 def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, splits: tuple[int, ...] = (0,),
                       api_keys: tuple[str, ...] = (), checkpoint_every: int = 50,
-                      limits: SessionLimits | None = None, device: str | torch.device = "cpu",
+                      limits: SessionLimits | None = None, device: str | torch.device = "auto",
                       shared_store: bool = False, on_session: Callable[[str], Awaitable[object]] | None = None,
                       **service: Unpack[ServiceOptions]) -> FastAPI:
     """The vendor's server for ``model_name``, exporting bottoms at the ``splits`` positions, with sessions kept
@@ -102,7 +102,7 @@ def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, s
     a stale copy reloaded). ``on_session(id)`` is awaited before any request on a session (Ray Serve's
     multiplexing uses it to keep a session's requests on the replica that holds it)."""
     loaded = load_pretrained(model_name, device=resolve_device(device), causal_lm_head=False)
-    pooling = loaded.sentence_transformer.pooling if loaded.sentence_transformer else FAMILY_POOLING[loaded.family]
+    pooling = choose_pooling(loaded.family, folder=loaded.sentence_transformer)
     if not splits:
         raise ValueError("splits must name at least one split position")
     bottoms = {blocks: split_model(loaded.model, blocks, pooling=pooling, name=str(model_name))[0] for blocks in splits}

@@ -16,15 +16,13 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from privlm._validation import check_positive_finite, check_positive_int
 from privlm.models.partition import BottomModel, split_model
 from privlm.models.pooling import Pooling
-from privlm.sap.config import LoraSettings
 from privlm.sap.messages import (
     MAX_ABS_VALUE,
     Forward,
@@ -36,52 +34,8 @@ from privlm.sap.messages import (
     to_bytes,
 )
 from privlm.sap.service.store import SessionNotFoundError, SessionStore, new_session_id
+from privlm.sap.service.wire import CHECKPOINT_STEP_HEADER, STEPS_DONE_HEADER, SessionInfo, SessionRequest
 from privlm.sap.vendor import Vendor
-
-
-class LoraRequest(BaseModel):
-    """LoRA settings a customer may ask for."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    rank: int = Field(default=8, ge=1, le=256)
-    alpha: int = Field(default=16, ge=1, le=4096)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
-        default_factory=lambda: ["query", "value"], min_length=1, max_length=16)
-
-
-class SessionRequest(BaseModel):
-    """What a customer asks for when it opens a fine-tuning session."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    blocks: int = Field(default=0, ge=0, description="Transformer blocks in the customer's bottom (the split "
-                        "position).")
-    n_classes: int = Field(ge=2, le=1024, description="The task's label count.")
-    head: Literal["vendor", "customer"] = Field(description="Where the task head sits. 'vendor' "
-                                                "(the paper's) means the returned gradients reveal every label.")
-    trainable_bottom: bool = False
-    lora: LoraRequest = LoraRequest()
-    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0)
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)
-    bottom_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the bottom the customer "
-                                    "downloaded (bottom.json's fingerprint): a mismatched pair is refused.")
-
-    def lora_settings(self) -> LoraSettings:
-        return LoraSettings(rank=self.lora.rank, alpha=self.lora.alpha, dropout=self.lora.dropout,
-                            target_modules=tuple(self.lora.target_modules))
-
-
-class SessionInfo(BaseModel):
-    """A session's state as its owner sees it."""
-
-    id: str
-    blocks: int
-    n_classes: int
-    head: Literal["vendor", "customer"]
-    trainable_bottom: bool
-    steps_done: int
-    checkpoint_step: int
-    uploaded_examples: int
 
 
 @dataclass(frozen=True)
@@ -319,8 +273,7 @@ class VendorSessions:
 
     @staticmethod
     def _headers(session: _Session) -> dict[str, str]:
-        return {"x-privlm-steps-done": str(session.vendor.steps_done),
-                "x-privlm-checkpoint-step": str(session.checkpoint_step)}
+        return {STEPS_DONE_HEADER: str(session.vendor.steps_done), CHECKPOINT_STEP_HEADER: str(session.checkpoint_step)}
 
     def _checkpoint(self, session_id: str, session: _Session, *, keep: bool = False) -> None:
         tensors, facts = session.vendor.training_state()

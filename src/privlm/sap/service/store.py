@@ -34,6 +34,7 @@ from safetensors.torch import save as save_safetensors
 
 from privlm.accounting import PrincipalHasher, SecretFileError
 from privlm.accounting.principals import create_file_once
+from privlm.wire import read_safetensors_metadata
 
 SESSION_FILE = "session.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -70,8 +71,7 @@ def _read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     data = path.read_bytes()
     try:
         tensors = load_safetensors(data)
-        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-        facts = json.loads(header["__metadata__"]["facts"])
+        facts = json.loads(read_safetensors_metadata(data)["facts"])
     except (SafetensorError, KeyError, ValueError) as error:
         raise ValueError(f"{path} is not a readable checkpoint: {error}") from error
     if not isinstance(facts, dict):
@@ -171,12 +171,9 @@ class SessionStore:
 
     def generation(self, session_id: str) -> str | None:
         """The ``generation`` of the session's latest checkpoint, read from its header alone (cheap)."""
-        path = self._folder(session_id) / CHECKPOINT_FILE
         try:
-            with path.open("rb") as file:
-                size = int.from_bytes(file.read(8), "little")
-                header = json.loads(file.read(size))
-            return json.loads(header["__metadata__"]["facts"]).get("generation")
+            facts = json.loads(read_safetensors_metadata(self._folder(session_id) / CHECKPOINT_FILE)["facts"])
+            return facts.get("generation") if isinstance(facts, dict) else None
         except (OSError, KeyError, ValueError):
             return None
 

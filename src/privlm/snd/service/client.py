@@ -1,16 +1,19 @@
-"""``privlm.snd.Client``: the customer's SDK for a remote ``privlm serve``, and its async twin.
+"""``privlm.snd.Client``: the customer's SDK for a remote ``privlm serve``, and its async twin, in httpx's shape.
 
-On construction it checks its own settings, then fetches the server's bundle once (tokenizer files,
-word-embedding rows, model facts, denoisers), verifies every file against its sha256 and caches it on
-disk by hash. Then ``encode(texts)`` privatizes locally, sends only X~ and the mask, and denoises the
-answer locally: the same object interface as the in-process ``SnDEncoder``. Both clients retry through
-one :class:`privlm.service.RetryPolicy`.
+:class:`BaseClient` does everything but talk: it checks its settings, reads the bundle's manifest
+(:class:`~privlm.snd.service.bundle.SnDManifest`), privatizes and denoises locally, writes each encode request,
+checks each answer and decides what a failed call leaves. :class:`Client` sends through an ``httpx.Client``,
+:class:`AsyncClient` through an ``httpx.AsyncClient``; both retry through one :class:`privlm.service.RetryPolicy`.
+On construction a client checks its settings, then fetches the server's bundle once (tokenizer files,
+word-embedding rows, model facts, denoisers), verifies every file against its sha256 and caches it on disk
+by hash. Then ``encode(texts)`` privatizes locally, sends only X~ and the mask, and denoises the answer
+locally: the same object interface as the in-process ``SnDEncoder``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import httpx
@@ -20,12 +23,12 @@ import torch
 from privlm._validation import check_choice, check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
 from privlm.models import Tokens, TruncationPolicy
-from privlm.models.sources import cache_dir as privlm_cache_dir
-from privlm.service import RequestRefusedError, RetryPolicy, ServerError, download_bundle, get_capped
-from privlm.service.bundle import MANIFEST_LIMIT, MAX_BUNDLE_BYTES
-from privlm.snd.encoder import LOCAL_PRINCIPAL, Encoded, IncompleteEncodingError, ModelChangedError, SnDEncoder
+from privlm.service import RequestRefusedError, RetryPolicy, ServerError
+from privlm.service.bundle import MAX_BUNDLE_BYTES
+from privlm.service.sdk import ClosesHttp, bearer, fetch_bundle, open_http
+from privlm.snd.encoder import LOCAL_PRINCIPAL, BaseEncoder, EncodeCall, Encoded, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch
-from privlm.snd.service.bundle import BUNDLE_PATH, bundle_embedder, choose_denoiser, is_snd_bundle_file
+from privlm.snd.service.bundle import BUNDLE_PATH, SnDManifest, bundle_embedder, choose_denoiser, is_snd_bundle_file
 from privlm.wire import (
     MODEL_FINGERPRINT_HEADER,
     RAW,
@@ -41,11 +44,90 @@ from privlm.wire import (
 ENCODE_PATH = "/v1/snd/encode"
 
 
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+class ModelChangedError(ServerError):
+    """An answer came from other weights than the bundle's: the server now runs another model."""
 
 
-class Client(SnDEncoder):
+class IncompleteEncodingError(ServerError):
+    """The server failed or refused part-way through a call. Nothing finished is lost: ``encoded.vectors``
+    holds the rows of the texts in ``done`` (NaN elsewhere), computed by the weights ``weights_fingerprint``.
+    Encode the texts at ``missing`` again to finish, which is a new release (the failed batches may have
+    reached the server) — unless the cause is a :class:`ModelChangedError`: rows of two models must not be
+    combined, so then encode every text again with a new client."""
+
+    def __init__(self, encoded: Encoded, done: Sequence[int], cause: BaseException, *,
+                 weights_fingerprint: str | None = None) -> None:
+        self.encoded, self.done, self.weights_fingerprint = encoded, sorted(done), weights_fingerprint
+        finished = set(self.done)
+        self.missing = [i for i in range(len(encoded.vectors)) if i not in finished]
+        advice = ("the server's model changed: encode every text again with a new client (rows of two models must "
+                  "not be combined)" if isinstance(cause, ModelChangedError) else
+                  "error.encoded holds them, error.missing lists the texts still to encode")
+        super().__init__(f"{len(self.done)} of {len(encoded.vectors)} texts were encoded before the server failed "
+                         f"({cause}); {advice}")
+
+
+class BaseClient(BaseEncoder):
+    """What both clients share, with no I/O: the checked settings, the bundle's manifest and client half, the
+    encode request, the checks on each answer, and what a call that failed part-way leaves."""
+
+    def __init__(self, *, eta: float, retry_for: float, retries: int | None, backoff: float, dtype: WireDType,
+                 wire_format: WireFormat, batch_size: int, max_bundle_bytes: int) -> None:
+        # Every setting is checked before anything is downloaded (the subclass downloads, then calls load_bundle).
+        self._eta = check_positive_finite("eta", eta)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.max_bundle_bytes = check_positive_int("max_bundle_bytes", max_bundle_bytes)
+        self.dtype = check_choice("dtype", dtype, WIRE_DTYPES)
+        self.wire_format = check_choice("wire_format", wire_format, (SAFETENSORS, RAW))
+        self.retry = RetryPolicy(retry_for=retry_for, retries=retries, backoff=backoff)
+
+    def fetch_bundle(self, http: httpx.Client, cache_dir: str | Path | None) -> tuple[SnDManifest, Path]:
+        """The manifest and the folder of the bundle, fetched through ``http`` (blocking: a constructor cannot
+        await) and cached by hash."""
+        return fetch_bundle(http, BUNDLE_PATH, SnDManifest, self.retry, cache_dir=cache_dir, namespace="snd-bundles",
+                            allowed=is_snd_bundle_file, max_bytes=self.max_bundle_bytes)
+
+    def load_bundle(self, manifest: SnDManifest, folder: Path, *, denoiser: str | None, truncation: TruncationPolicy,
+                    generator: torch.Generator | None, device: str | torch.device, ledger: Ledger | None) -> None:
+        """The encoder's own setup, from the downloaded bundle."""
+        self.manifest, self.weights_fingerprint = manifest, manifest.model.weights_fingerprint
+        BaseEncoder.__init__(self, bundle_embedder(folder, device=device), eta=self._eta,
+                             denoiser=choose_denoiser(manifest, folder, self._eta, denoiser),
+                             batch_size=self.batch_size, truncation=truncation, generator=generator, ledger=ledger)
+
+    def encode_request(self, private: PrivateBatch) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of one encode request: X~ and the mask only. A retry resends the same bytes
+        (no new noise, no new release)."""
+        return write_sequences(private.noisy, private.attention_mask, dtype=self.dtype, fmt=self.wire_format)
+
+    def check_answer(self, response: httpx.Response, private: PrivateBatch) -> torch.Tensor:
+        """e_n for ``private``, if it came from the model of the bundle; else a :class:`ServerError`."""
+        served, expected = response.headers.get(MODEL_FINGERPRINT_HEADER), self.weights_fingerprint
+        if served != expected:
+            raise ModelChangedError(f"the server answered with model weights {str(served)[:16]}..., not the "
+                                    f"{expected[:16]}... of the bundle this client loaded (was the "
+                                    "server restarted with another model?); refusing to mix two models' outputs: "
+                                    "make a new Client")
+        try:
+            rows = read_rows(response.content, response.headers, rows=len(private.noisy), dim=self.model.hidden_size)
+        except WireError as error:
+            raise ServerError(f"malformed answer: {error}") from error
+        return rows.to(private.noisy.device)
+
+    def finish(self, call: EncodeCall, out: np.ndarray, done: list[int], failures: Sequence[BaseException]) -> Encoded:
+        """The call's rows, or an :class:`IncompleteEncodingError` that keeps those that came back (a model
+        change named first). A failure that is not the server's is a bug, raised as it is."""
+        unexpected = [e for e in failures if not isinstance(e, ServerError | RequestRefusedError)]
+        if unexpected:
+            raise unexpected[0]
+        if failures:
+            cause = next((e for e in failures if isinstance(e, ModelChangedError)), failures[0])
+            raise IncompleteEncodingError(Encoded(out, call.report), done, cause,
+                                          weights_fingerprint=self.weights_fingerprint) from cause
+        return Encoded(out, call.report)
+
+
+class Client(BaseClient, SnDEncoder, ClosesHttp):
     """Private sentence embeddings from a remote SnD server; ``encode`` like sentence-transformers."""
 
     def __init__(self, base_url: str, *, eta: float, denoiser: str | None = "auto", api_key: str | None = None,
@@ -55,74 +137,33 @@ class Client(SnDEncoder):
                  truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
                  device: str | torch.device = "auto", transport: httpx.BaseTransport | None = None,
                  ledger: Ledger | None = None, max_bundle_bytes: int = MAX_BUNDLE_BYTES) -> None:
-        # Every setting is checked before anything is downloaded.
-        eta = check_positive_finite("eta", eta)
-        check_positive_int("batch_size", batch_size)
-        check_positive_int("max_bundle_bytes", max_bundle_bytes)
-        self.dtype = check_choice("dtype", dtype, WIRE_DTYPES)
-        self.wire_format = check_choice("wire_format", wire_format, (SAFETENSORS, RAW))
-        self.retry = RetryPolicy(retry_for=retry_for, retries=retries, backoff=backoff)
-        self.http = httpx.Client(base_url=base_url, timeout=timeout, headers=_auth(api_key), transport=transport)
-        # Every bundle answer is read with a size cap: an endless body is refused, not buffered.
-        self.manifest = _json(get_capped(self.http, BUNDLE_PATH, MANIFEST_LIMIT, self.retry))
-        self.weights_fingerprint = _weights_fingerprint(self.manifest)
-        folder = download_bundle(self.manifest, self._fetch, Path(cache_dir) if cache_dir else privlm_cache_dir(),
-                                 namespace="snd-bundles", allowed=is_snd_bundle_file, max_bytes=max_bundle_bytes)
-        super().__init__(bundle_embedder(folder, device=device), eta=eta,
-                         denoiser=choose_denoiser(self.manifest, folder, eta, denoiser), batch_size=batch_size,
-                         truncation=truncation, generator=generator, server=self._remote, ledger=ledger)
+        super().__init__(eta=eta, retry_for=retry_for, retries=retries, backoff=backoff, dtype=dtype,
+                         wire_format=wire_format, batch_size=batch_size, max_bundle_bytes=max_bundle_bytes)
+        self.http = open_http(base_url, api_key=api_key, timeout=timeout, transport=transport)
+        self.load_bundle(*self.fetch_bundle(self.http, cache_dir), denoiser=denoiser, truncation=truncation,
+                         generator=generator, device=device, ledger=ledger)
 
-    def _fetch(self, name: str, size: int) -> bytes:
-        return get_capped(self.http, f"{BUNDLE_PATH}/files/{name}", size, self.retry).content
+    def server_encode(self, private: PrivateBatch) -> torch.Tensor:
+        body, headers = self.encode_request(private)
+        return self.check_answer(self.retry.call(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers)),
+                                 private)
 
-    def _remote(self, noisy: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        # Idempotent: a retry resends the same noisy bytes (no new noise, no new release).
-        body, headers = write_sequences(noisy, attention_mask, dtype=self.dtype, fmt=self.wire_format)
-        response = self.retry.call(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers))
-        return self.check_answer(response, rows=len(noisy))
-
-    def check_answer(self, response: httpx.Response, *, rows: int) -> torch.Tensor:
-        """The (rows, d) answer, if it came from the model of the bundle; else a :class:`ServerError`."""
-        served, expected = response.headers.get(MODEL_FINGERPRINT_HEADER), str(self.weights_fingerprint)
-        if served != expected:
-            raise ModelChangedError(f"the server answered with model weights {str(served)[:16]}..., not the "
-                                    f"{expected[:16]}... of the bundle this client loaded (was the "
-                                    "server restarted with another model?); refusing to mix two models' outputs: "
-                                    "make a new Client")
-        try:
-            return read_rows(response.content, response.headers, rows=rows, dim=self.model.hidden_size)
-        except WireError as error:
-            raise ServerError(f"malformed answer: {error}") from error
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
+                           principal: str = LOCAL_PRINCIPAL, truncation: TruncationPolicy | None = None) -> Encoded:
+        """As :meth:`SnDEncoder.encode_with_report`; a server failure part-way raises an
+        :class:`IncompleteEncodingError` that keeps the finished rows."""
+        call = self.begin(texts, batch_size=batch_size, principal=principal, truncation=truncation)
+        out, done = self.blank_rows(call), list[int]()
+        for indices in call.batches:
+            try:
+                out[indices] = self.encode_batch(call, indices)
+            except (ServerError, RequestRefusedError) as error:
+                return self.finish(call, out, done, [error])
+            done.extend(indices)
+        return self.finish(call, out, done, [])
 
 
-def _json(response: httpx.Response) -> dict[str, object]:
-    try:
-        manifest = response.json()
-    except ValueError as error:
-        raise ServerError("the bundle manifest is not JSON") from error
-    if not isinstance(manifest, dict):
-        raise ServerError("the bundle manifest is not a JSON object")
-    return manifest
-
-
-def _weights_fingerprint(manifest: dict[str, object]) -> str:
-    facts = manifest.get("model")
-    fingerprint = facts.get("weights_fingerprint") if isinstance(facts, dict) else None
-    if not isinstance(fingerprint, str) or len(fingerprint) != 64:
-        raise ServerError("the bundle manifest names no weights fingerprint (a server older than this client?)")
-    return fingerprint
-
-
-class AsyncClient:
+class AsyncClient(BaseClient):
     """The async twin of ``Client``: the bundle is fetched once at construction; ``await encode(texts)``
     privatizes and denoises locally and sends the batches concurrently (at most ``max_concurrency``)."""
 
@@ -134,47 +175,37 @@ class AsyncClient:
                  denoiser: str | None = "auto", truncation: TruncationPolicy = "warn",
                  generator: torch.Generator | None = None, device: str | torch.device = "auto",
                  ledger: Ledger | None = None) -> None:
-        self.local = Client(base_url, eta=eta, timeout=timeout, api_key=api_key, cache_dir=cache_dir,
-                            retry_for=retry_for, retries=retries, backoff=backoff, dtype=dtype,
-                            wire_format=wire_format, batch_size=batch_size, denoiser=denoiser, truncation=truncation,
-                            generator=generator, device=device, ledger=ledger)
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_auth(api_key), transport=transport)
+        super().__init__(eta=eta, retry_for=retry_for, retries=retries, backoff=backoff, dtype=dtype,
+                         wire_format=wire_format, batch_size=batch_size, max_bundle_bytes=MAX_BUNDLE_BYTES)
         self.semaphore = asyncio.Semaphore(check_positive_int("max_concurrency", max_concurrency))
+        with open_http(base_url, api_key=api_key, timeout=timeout) as http:
+            bundle = self.fetch_bundle(http, cache_dir)
+        self.load_bundle(*bundle, denoiser=denoiser, truncation=truncation, generator=generator, device=device,
+                         ledger=ledger)
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=bearer(api_key), transport=transport)
 
     async def _release(self, private: PrivateBatch) -> torch.Tensor:
-        local = self.local
-        if not local.needs_server:
-            return local.no_server_answer(private)
-        body, headers = write_sequences(private.noisy, private.attention_mask, dtype=local.dtype,
-                                        fmt=local.wire_format)
+        if not self.needs_server:
+            return self.no_server_answer(private)
+        body, headers = self.encode_request(private)
         async with self.semaphore:
-            response = await local.retry.acall(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers))
-        return local.check_answer(response, rows=len(private.noisy)).to(private.noisy.device)
+            response = await self.retry.acall(lambda: self.http.post(ENCODE_PATH, content=body, headers=headers))
+        return self.check_answer(response, private)
 
     async def encode_with_report(self, texts: Iterable[str] | Tokens, *, batch_size: int | None = None,
                                  principal: str = LOCAL_PRINCIPAL) -> Encoded:
         """The embeddings and this call's report; batches travel concurrently."""
-        local = self.local
         # Tokenizing and the ledger's transaction block: they run in a worker thread, not on the event loop.
-        call = await asyncio.to_thread(local.begin, texts, batch_size=batch_size, principal=principal)
-        privates = [local.privatize(call.tokens.subset(b), generator=call.generator) for b in call.batches]
+        call = await asyncio.to_thread(self.begin, texts, batch_size=batch_size, principal=principal)
+        privates = [self.privatize(call.tokens.subset(b), generator=call.generator) for b in call.batches]
         answers = await asyncio.gather(*(self._release(p) for p in privates), return_exceptions=True)
-        call.report.server_calls += len(answers) if local.needs_server else 0
-        out = np.full((len(call.tokens), local.model.hidden_size), np.nan, dtype=np.float32)
-        done: list[int] = []
+        call.report.server_calls += len(answers) if self.needs_server else 0
+        out, done = self.blank_rows(call), list[int]()
         for indices, private, e_n in zip(call.batches, privates, answers, strict=True):
             if not isinstance(e_n, BaseException):
-                out[indices] = local.denoise(private, e_n).float().cpu().numpy()
+                out[indices] = self.denoise(private, e_n).float().cpu().numpy()
                 done.extend(indices)
-        failures = [e for e in answers if isinstance(e, BaseException)]
-        unexpected = [e for e in failures if not isinstance(e, ServerError | RequestRefusedError)]
-        if unexpected:  # a bug, not the server: raise it as it is
-            raise unexpected[0]
-        if failures:  # the batches that came back are kept; a model change is named first
-            cause = next((e for e in failures if isinstance(e, ModelChangedError)), failures[0])
-            raise IncompleteEncodingError(Encoded(out, call.report), done, cause,
-                                          weights_fingerprint=local.weights_fingerprint) from cause
-        return Encoded(out, call.report)
+        return self.finish(call, out, done, [e for e in answers if isinstance(e, BaseException)])
 
     async def encode(self, texts: Iterable[str], *, batch_size: int | None = None) -> np.ndarray:
         """(n, d) float32 private sentence embeddings, in the order of ``texts``."""
@@ -182,7 +213,6 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         await self.http.aclose()
-        self.local.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

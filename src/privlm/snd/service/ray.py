@@ -23,12 +23,13 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("the Ray Serve deployment needs Ray: pip install 'privlm[ray]'") from error
 
+import torch
 from fastapi import FastAPI
 
 from privlm._validation import check_positive_finite, check_positive_int
 from privlm.service import ServiceOptions
 from privlm.service.auth import API_KEYS_ENV, load_keys, parse_keys
-from privlm.service.ray import keep_replica_ports_on_loopback, run_blocking
+from privlm.service.ray import keep_replica_ports_on_loopback, replica_resources, run_blocking
 
 __all__ = ["SnDDeployment", "SnDServer", "app_builder", "run_blocking", "snd_application"]
 
@@ -43,7 +44,7 @@ class SnDServer:
 
     def __init__(self, model: str = "minilm", *, denoiser_dirs: Sequence[str] | None = None,
                  api_keys: Sequence[str] = (), api_key_file: str | None = None, api_keys_env: str | None = None,
-                 max_batch_rows: int = 64, max_wait_ms: float = 5.0, device: str = "cpu",
+                 max_batch_rows: int = 64, max_wait_ms: float = 5.0, device: str | torch.device = "auto",
                  service: ServiceOptions | None = None) -> None:
         from privlm.models import SplitModel
         from privlm.snd.service.server import create_app
@@ -67,22 +68,22 @@ SnDDeployment = serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, heal
 def snd_application(model: str = "minilm", *, replicas: int = 1, replica_cpus: float = 1.0,
                     denoiser_dirs: Sequence[str | Path] | None = None, api_keys: Sequence[str] = (),
                     api_key_file: str | Path | None = None, api_keys_env: str | None = None,
-                    max_batch_rows: int = 64, max_wait_ms: float = 5.0, device: str = "cpu",
+                    max_batch_rows: int = 64, max_wait_ms: float = 5.0, device: str | torch.device = "auto",
                     service: ServiceOptions | None = None) -> serve.Application:
     """A Ray Serve application of ``replicas`` SnD server replicas, ready for ``serve.run``; ``service``:
     the replicas' :class:`~privlm.service.ServiceOptions` (allowed hosts, docs, in-flight cap, body timeout).
 
     ``api_keys`` travel to the replicas through Ray (which stores them with the application);
     ``api_key_file`` (a path on every node) and ``api_keys_env`` (a variable's name) are read by each replica.
+    ``device`` is resolved here (:func:`privlm.service.ray.replica_resources`): every replica gets the same one.
     """
     replicas = check_positive_int("replicas", replicas)
-    replica_cpus = check_positive_finite("replica_cpus", replica_cpus)
-    resources = {"num_cpus": replica_cpus, **({"num_gpus": 1} if device.startswith("cuda") else {})}
+    resources, resolved = replica_resources(check_positive_finite("replica_cpus", replica_cpus), device)
     deployment = SnDDeployment.options(num_replicas=replicas, ray_actor_options=resources)
     return deployment.bind(model, denoiser_dirs=[str(d) for d in denoiser_dirs] if denoiser_dirs else None,
                            api_keys=tuple(api_keys), api_key_file=None if api_key_file is None else str(api_key_file),
                            api_keys_env=api_keys_env, max_batch_rows=max_batch_rows, max_wait_ms=max_wait_ms,
-                           device=device, service=dict(service or {}))
+                           device=resolved, service=dict(service or {}))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
@@ -110,5 +111,5 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
                            api_key_file=None if key_file is None else str(key_file),
                            api_keys_env=str(env) if env else None,
                            max_batch_rows=int(args.get("max_batch_rows", 64)),
-                           max_wait_ms=float(args.get("max_wait_ms", 5.0)), device=str(args.get("device", "cpu")),
+                           max_wait_ms=float(args.get("max_wait_ms", 5.0)), device=str(args.get("device", "auto")),
                            service=service)

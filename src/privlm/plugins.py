@@ -1,0 +1,23 @@
+"""What other installed packages add to privlm, found by their entry points (group ``privlm.commands``: a function
+that takes the root ``privlm`` app). The bench kit, ``privlm-bench``, adds ``privlm bench`` and
+``privlm serve-llm``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+GROUP = "privlm.commands"
+BENCH_COMMANDS = ("bench", "serve-llm")
+BENCH_MISSING = ("needs the bench kit, which is not installed: from a privlm checkout, "
+                 "`pip install -e src/privlm_bench` (`make venv` installs it)")
+
+
+def command_plugins() -> dict[str, Callable[[Any], None]]:
+    """Each installed plugin by name, loaded: call it with the root app to add its commands."""
+    return {entry.name: entry.load() for entry in entry_points(group=GROUP)}
+
+
+def bench_installed() -> bool:
+    return any(entry.name == "bench" for entry in entry_points(group=GROUP))

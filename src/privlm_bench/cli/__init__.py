@@ -1,0 +1,16 @@
+"""The bench kit's commands, added to ``privlm`` through the entry point ``privlm.commands``: ``privlm bench ...``
+(every system's sweeps and ``report``) and ``privlm serve-llm`` (a local chat server, the upstream of the demo,
+the tests and the chat benchmarks)."""
+
+from __future__ import annotations
+
+import typer
+
+from privlm_bench.cli import baselines, cape, chat, sap, snd  # noqa: F401 - registers the bench commands
+from privlm_bench.cli.app import bench_app
+from privlm_bench.cli.llm import serve_llm
+
+
+def add_commands(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+    app.command("serve-llm")(serve_llm)

@@ -1,0 +1,56 @@
+"""``privlm bench chat``: the chat gateway's added latency, time to first token and throughput; ``privlm bench
+survival``: how often Cape releases a sensitive word unchanged, per epsilon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from privlm.cli.app import console, parse_counts, parse_levels
+from privlm_bench.cli.app import bench_app
+
+
+@bench_app.command("chat")
+def bench_chat(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/chat"),
+    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends in turn, per run.")] = 8,
+    clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,8,32",
+    max_tokens: Annotated[int, typer.Option(help="Tokens serve-llm generates per answer (greedy).")] = 16,
+    epsilon: Annotated[float, typer.Option(help="The gateway's Cape epsilon per token.")] = 6.0,
+    seed: Annotated[int, typer.Option(help="Fixes which prompt each request carries.")] = 0,
+    skip_llm: Annotated[bool, typer.Option("--skip-llm", help="Measure the stub upstream only, not "
+                                                              "`privlm serve-llm`.")] = False,
+) -> None:
+    """Latency p50/p99, time to first token and requests/s at 1, 8 and 32 clients, directly and through
+    `privlm gateway` (Cape), in front of a stub upstream that answers at once and of `privlm serve-llm`."""
+    from privlm_bench.chat.load import ChatBenchSetting, run_chat_bench
+
+    counts = parse_counts(clients, minimum=1, flag="--clients")
+    try:
+        setting = ChatBenchSetting(requests_per_client=requests_per_client, clients=counts,
+                                   max_tokens=max_tokens, epsilon=epsilon, seed=seed, skip_llm=skip_llm)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_chat_bench(setting, out, console)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+@bench_app.command("survival")
+def bench_survival(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/survival"),
+    epsilons: Annotated[str, typer.Option(help="Comma-separated epsilons per token.")] = "1,2,4,6,8,12",
+    device_model: Annotated[str, typer.Option(help="Cape's device model (smollm2, or a local folder).")
+                            ] = "smollm2",
+) -> None:
+    """The exact probability that Cape releases each sensitive word of fixed prompts unchanged ("Seattle",
+    "diabetes", names), per epsilon, from the mechanism's own output law (no sampling)."""
+    from privlm_bench.chat.survival import SurvivalSetting, run_survival_bench
+
+    try:
+        setting = SurvivalSetting(epsilons=tuple(parse_levels(epsilons)), device_model=device_model)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_survival_bench(setting, out, console)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
