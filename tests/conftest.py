@@ -5,6 +5,7 @@ runs whole on one worker)."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,39 @@ import numpy as np
 import pytest
 import torch
 from xdist.scheduler import LoadGroupScheduling
+
+import privlm.service.process
+
+# Each worker picks the ports of the servers it starts from a block of its own, below the range the OS hands out for
+# port 0 and for outgoing connections (32768 and up on Linux): a port one worker picked free cannot be taken by
+# another worker's server before the process that was given it binds it, so a health check never reaches another
+# worker's server. Patched before any test module imports ``free_port``.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_BLOCK = 12000 // max(_WORKERS, 1)
+_next_port = iter(range(20000 + _WORKER * _BLOCK, 20000 + (_WORKER + 1) * _BLOCK))
+
+
+def _worker_free_port() -> int:
+    for port in _next_port:  # each port once: a test never gets a port an earlier test's process may still hold
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("this test worker used up its block of ports")
+
+
+privlm.service.process.free_port = _worker_free_port
+
+# Under xdist, each worker (and every process it starts) gets its share of the cores: torch's default, a thread per
+# core in every worker, oversubscribes the machine, and its threads then wait on each other (a SmolLM2 generation
+# took six times as long beside another worker as alone).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_threads)
 
 if TYPE_CHECKING:  # the modules that load transformers are imported once the variables below are set
     from privlm.models import SplitModel
@@ -160,9 +194,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # whole modules per worker, the run ends when its last module does, so a long one must never start last.
 LONGEST_FIRST = (
     "tests/test_cli.py",  # 82
-    "tests/eval/test_cape_bench.py",  # 74
+    "tests/bench/test_cape_bench.py",  # 74
     "tests/sap/service/test_vendor_server.py",  # 66
-    "tests/eval/test_sap_bench.py",  # 65
+    "tests/bench/test_sap_bench.py",  # 65
     "tests/test_docs.py",  # 61
     "tests/test_cli_refusals.py",  # 59
     "tests/snd/service/test_hardening.py",  # 56

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import openai
 
-from privlm_bench.data import named_task, split_dataset
-from privlm.eval.sweeps import serve_load
 from privlm.models import SplitModel
 from privlm.provenance import provenance
 from privlm.service.process import free_port, stop
+from privlm_bench.data import named_task, split_dataset
+from privlm_bench.snd import serve_load
 
 
 async def gateway_load(url: str, texts: list[str], clients: int, requests: int) -> dict[str, float]:
@@ -79,8 +79,9 @@ def main() -> None:
             finally:
                 stop(gateway, server)
     command = ["python", "benchmarks/serve/compare_gateways.py", *sys.argv[1:]]
-    payload = {"metadata": provenance(seed=0, command=command) | {"old_src": str(options.old_src), "requests_per_client": options.requests,
-                                                 "sentences_per_request": serve_load.SENTENCES_PER_REQUEST},
+    payload = {"metadata": provenance(seed=0, command=command) | {
+                   "old_src": str(options.old_src), "requests_per_client": options.requests,
+                   "sentences_per_request": serve_load.SENTENCES_PER_REQUEST},
                "rows": rows}
     options.out.write_text(json.dumps(payload, indent=2) + "\n")
 

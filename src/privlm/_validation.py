@@ -7,8 +7,10 @@ from numbers import Real
 from typing import TypeVar
 
 import torch
+from pydantic import BaseModel, ValidationError
 
 Choice = TypeVar("Choice", bound=str)
+Model = TypeVar("Model", bound=BaseModel)
 
 
 def check_positive_finite(name: str, value: object) -> float:
@@ -87,3 +89,13 @@ def check_level(name: str, value: object) -> float | torch.Tensor:
     if not torch.isfinite(value).all() or (value <= 0).any():
         raise ValueError(f"{name} must be finite and > 0 in every row")
     return value
+
+
+def validated(model: type[Model], data: object, *, refusal: str) -> Model:
+    """``data`` as ``model``, or a ``ValueError`` of one line: ``refusal``, then each field and what is wrong."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, problem['loc'])) or 'the whole'}: {problem['msg']}"
+                             for problem in error.errors(include_url=False))
+        raise ValueError(f"{refusal}: {problems}") from None

@@ -11,12 +11,12 @@ from typing import Any
 GROUP = "privlm.commands"
 BENCH_COMMANDS = ("bench", "serve-llm")
 BENCH_MISSING = ("needs the bench kit, which is not installed: from a privlm checkout, "
-                 "`pip install -e src/privlm_bench` (`make venv` installs it)")
+                 "`pip install -e . -e src/privlm_bench` (`make venv` installs both)")
 
 
-def command_plugins() -> dict[str, Callable[[Any], None]]:
-    """Each installed plugin by name, loaded: call it with the root app to add its commands."""
-    return {entry.name: entry.load() for entry in entry_points(group=GROUP)}
+def command_plugins() -> dict[str, Callable[[], Callable[[Any], None]]]:
+    """Each installed plugin by name, as its loader: the loaded function takes the root app and adds its commands."""
+    return {entry.name: entry.load for entry in entry_points(group=GROUP)}
 
 
 def bench_installed() -> bool:

@@ -113,3 +113,12 @@ def test_charge_is_all_or_nothing_and_skips_zero_spends(tmp_path):
     assert ledger.spent("alice", EPS) == 7.0  # the refused batch left nothing behind
     with pytest.raises(ValueError, match="finite and >= 0"):
         charge(ledger, "alice", [Spend(EPS, -1.0)], note="a bad amount is not dropped as if it were zero")
+
+
+def test_the_ledger_method_and_the_function_charge_alike(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    assert [r.spend.amount for r in ledger.charge("bob", [Spend(EPS, 0.0), Spend(EPS, 4.0)], note="method")] == [4.0]
+    assert ledger.charge("bob", [Spend(EPS, 0.0)], note="nothing priced") == []
+    with pytest.raises(BudgetExhaustedError):
+        ledger.charge("bob", [Spend(EPS, 3.0), Spend(EPS, 4.0)], note="together over the budget")
+    assert ledger.spent("bob", EPS) == 4.0

@@ -32,8 +32,8 @@ from privlm_bench.cape.speed import (
     write_speed,
 )
 from privlm_bench.cape.sweep import CapeBench, CapeSetting, KnnGuesses, cape_sweep
+from privlm_bench.cli.app import registered_sweep
 from privlm_bench.harness.bench import run_sweep
-from privlm_bench.harness.registry import sweep_entry
 
 
 # --- a stand-in mechanism with a known law ----------------------------------------------------------
@@ -122,7 +122,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("cape-bench")
     report = run_sweep(cape_sweep(setting, bench=bench), out_dir=out, seed=0, console=Console(quiet=True),
                        command=["privlm", "bench", "cape", "--tiny"])
-    files = sweep_entry("cape").extra_reports(out)
+    files = registered_sweep("cape").extra_reports(out)
     return bench, out, report, files
 
 

@@ -158,7 +158,7 @@ def test_a_run_on_the_stub_writes_every_figure(tmp_path):
 
 def test_the_command_refuses_bad_sizes():
     import privlm_bench.cli.chat  # noqa: F401 - registers the command
-    from privlm.cli.app import app
+    from privlm.cli import app
 
     runner = CliRunner()
     for args in (["--clients", "1,0"], ["--clients", "a"], ["--requests-per-client", "0"], ["--epsilon", "-1"]):

@@ -255,7 +255,7 @@ def test_a_crashed_sweep_resumes(tiny_model, tmp_path):
 ])
 def test_the_command_refuses_bad_flags(args, says, tmp_path):
     import privlm.cli  # noqa: F401 - registers every command
-    from privlm.cli.app import app
+    from privlm.cli import app
 
     result = CliRunner().invoke(app, ["bench", "sap", "--out", str(tmp_path), *args], env={"COLUMNS": "300"})
     assert result.exit_code == 2, (args, result.output)
@@ -280,7 +280,7 @@ def test_cti_runs_report_the_attack_on_noised_positions_apart():
 def _check_the_report_renders_again(folder: Path) -> None:
     """`privlm bench report` rewrites results.md and the plot from results.json alone, to the same text."""
     import privlm.cli  # noqa: F401 - registers every command
-    from privlm.cli.app import app
+    from privlm.cli import app
 
     written = (folder / "results.md").read_text()
     (folder / "results.md").unlink()
@@ -310,7 +310,7 @@ def test_the_service_bench_compares_http_with_one_process(tiny_model, tmp_path):
     written = files[1].read_text()
     files[1].unlink()
     import privlm.cli  # noqa: F401 - registers every command
-    from privlm.cli.app import app
+    from privlm.cli import app
 
     assert CliRunner().invoke(app, ["bench", "report", str(tmp_path)]).exit_code == 0
     assert files[1].read_text() == written

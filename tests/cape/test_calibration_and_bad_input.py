@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from privlm.cape import Cape, LogitBound
+from privlm.cape.service.privacy import PromptPrivacy
 from tests.cape.conftest import NEIGHBOUR, PROMPT, B
 from tests.conftest import BAD_POSITIVE_REALS
 
@@ -53,6 +54,35 @@ def test_saved_bound_loads_and_another_models_is_refused(tiny_masked_lm, tmp_pat
     (tmp_path / "other.json").write_text(json.dumps({"value": 3.0}))
     with pytest.raises(ValueError, match="not a saved Cape logit bound"):
         LogitBound.load(tmp_path / "other.json")
+
+
+def test_the_privacy_step_refuses_another_models_bound_before_any_request(tiny_masked_lm):
+    foreign = LogitBound(value=3.0, model_fingerprint="0" * 64)
+    with pytest.raises(ValueError, match="another model"):
+        PromptPrivacy.cape(tiny_masked_lm, epsilon=1.0, logit_bound=foreign)
+
+
+SAVED = {"format": "privlm.cape.logit-bound/1", "value": 30.0, "model_fingerprint": "ab" * 32, "quantile": 1.0,
+         "n_texts": 2, "n_logits": 96}  # logit_bound.json as privlm writes it
+
+
+def test_a_saved_bound_keeps_its_file_format(tmp_path):
+    (tmp_path / "bound.json").write_text(json.dumps(SAVED))
+    loaded = LogitBound.load(tmp_path / "bound.json")
+    assert (loaded.value, loaded.model_fingerprint, loaded.n_logits) == (30.0, "ab" * 32, 96)
+    assert json.loads(loaded.save(tmp_path / "again.json").read_text()) == SAVED
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"surprise": 1}, "surprise"), ({"value": -1.0}, "value"), ({"value": "30"}, "value"),
+    ({"value": math.inf}, "value"), ({"quantile": 1.5}, "quantile"), ({"model_fingerprint": ""}, "model_fingerprint"),
+    ({"n_logits": -1}, "n_logits"),
+])
+def test_a_bound_with_an_unknown_key_or_a_bad_value_is_refused(tmp_path, change, field):
+    (tmp_path / "bound.json").write_text(json.dumps(SAVED | change))
+    with pytest.raises(ValueError, match=rf"is not a valid Cape logit bound: {field}: ") as refused:
+        LogitBound.load(tmp_path / "bound.json")
+    assert "\n" not in str(refused.value)
 
 
 def test_uncalibrated_b_is_an_error_that_says_to_calibrate(smollm2_lm):

@@ -6,7 +6,6 @@ Tiny random BERT/RoBERTa models are built here under ``torch.random.fork_rng`` (
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +227,11 @@ def test_the_loaded_bottom_reproduces_the_bottom(tiny: dict[str, PreTrainedModel
     bottom, top = split_model(model, k)
     bottom.save(tmp_path)
     config = json.loads((tmp_path / BOTTOM_CONFIG).read_text())
+    assert config.keys() == {"format", "model_name", "model_type", "blocks", "total_blocks", "hidden_size",
+                             "vocab_size", "model_config", "fingerprint"}  # the file format of privlm-sap-bottom/1
     assert config["fingerprint"] == top.bottom_fingerprint == weights_sha256(bottom)
     assert (config["blocks"], config["total_blocks"], config["hidden_size"]) == (k, 3, 32)
+    assert config["model_config"]["model_type"] == kind
     rng = torch.random.get_rng_state()
     loaded = load_bottom(tmp_path, expected_fingerprint=top.bottom_fingerprint)
     assert torch.equal(torch.random.get_rng_state(), rng)  # rebuilding drew nothing from the global RNG
@@ -237,7 +239,7 @@ def test_the_loaded_bottom_reproduces_the_bottom(tiny: dict[str, PreTrainedModel
     ids, mask = _batch(model, left=True)
     with torch.no_grad():
         assert torch.equal(loaded(ids, mask), bottom(ids, mask))
-    assert asdict(loaded.config) == json.loads(json.dumps(asdict(bottom.config)))  # as JSON keeps it
+    assert loaded.config.model_dump() == json.loads(json.dumps(bottom.config.model_dump()))  # as JSON keeps it
 
 
 # --- mismatched or tampered files ----------------------------------------------------------------------------------
@@ -296,6 +298,22 @@ def test_a_bottom_config_of_the_wrong_format_is_refused(tiny: dict[str, PreTrain
     (tmp_path / BOTTOM_CONFIG).write_text(json.dumps(edit(config)))  # type: ignore[operator]
     with pytest.raises(ValueError, match="bottom"):
         load_bottom(tmp_path)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"surprise": 1}, "surprise"), ({"blocks": "1"}, "blocks"), ({"blocks": -1}, "blocks"),
+    ({"hidden_size": 0}, "hidden_size"), ({"model_config": "bert"}, "model_config"),
+])
+def test_a_bottom_config_with_an_unknown_key_or_a_bad_value_names_it(tiny: dict[str, PreTrainedModel],
+                                                                     tmp_path: Path, change: dict[str, object],
+                                                                     field: str) -> None:
+    bottom, _ = split_model(tiny["bert"], 1)
+    bottom.save(tmp_path)
+    config = json.loads((tmp_path / BOTTOM_CONFIG).read_text())
+    (tmp_path / BOTTOM_CONFIG).write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=rf"is not a valid bottom config: {field}: ") as refused:
+        load_bottom(tmp_path)
+    assert "\n" not in str(refused.value)
 
 
 # --- bad input ------------------------------------------------------------------------------------------------------

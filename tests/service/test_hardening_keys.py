@@ -193,13 +193,14 @@ def test_finding_5_the_systemd_unit_passes_no_key_on_the_command_line():
     service = _unit(ROOT / "deploy" / "privlm-serve.service")["Service"]
     (exec_start,) = service["ExecStart"]
     words = shlex.split(exec_start)
-    assert Path(words[0]).name == "privlm" and words[1] == "serve"
+    assert Path(words[0]).name == "privlm" and words[1:3] == ["snd", "serve"]
     assert "--api-key" not in words and not any(word.startswith("--api-key=") for word in words)
     assert "$" not in exec_start  # no variable is expanded into the command line
     key_file = words[words.index("--api-key-file") + 1]
-    help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    help_text = runner.invoke(app, ["snd", "serve", "--help"], env={"COLUMNS": "200"}).output
     assert "--api-key-file" in help_text
-    typer.main.get_command(app).commands["serve"].make_context("serve", words[2:])  # the real CLI parses it
+    snd = typer.main.get_command(app).commands["snd"]
+    snd.commands["serve"].make_context("serve", words[3:])  # the real CLI parses it
     # The file is a systemd credential: %d is the service's private credentials directory.
     credentials = dict(entry.split(":", 1) for entry in service.get("LoadCredential", []))
     assert key_file.startswith("%d/") and key_file.removeprefix("%d/") in credentials

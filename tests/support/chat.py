@@ -205,5 +205,5 @@ class FakePerturber:
 def fake_privacy(factory: Any = FakePerturber, *, ledger: Ledger | None = None, epsilon: float = EPS,
                  max_prompt_tokens: int = 8192) -> PromptPrivacy:
     return PromptPrivacy(factory, mechanism="fake", epsilon=epsilon, count_tokens=lambda text: len(text.split()),
-                         ledger=ledger, max_prompt_tokens=max_prompt_tokens)
+                         ledger=ledger, max_prompt_tokens=max_prompt_tokens, device="cpu")  # the fake draws there
 

@@ -181,6 +181,12 @@ class Ledger:
         would pass the budget. Call it before the release, never after."""
         return self.spend_all(principal, [spend], note=note)[0]
 
+    def charge(self, principal: str, spends: Sequence[Spend], *, note: str) -> list[Receipt]:
+        """Charge a release's ``spends`` to ``principal`` before anything is drawn: all in one transaction, or none
+        (:class:`BudgetExhaustedError`). Zero spends are not recorded."""
+        priced = [spend for spend in spends if spend.amount != 0]  # a bad amount still reaches spend_all's check
+        return self.spend_all(principal, priced, note=note) if priced else []
+
     def spend_all(self, principal: str, spends: Sequence[Spend], *, note: str = "") -> list[Receipt]:
         """Check and record several spends (a batch of releases) in one transaction: all, or, if together they
         would pass a budget, none (:class:`BudgetExhaustedError`). Call it before the releases, never after."""
@@ -247,8 +253,6 @@ class Ledger:
 
 
 def charge(ledger: Ledger | None, principal: str, spends: Sequence[Spend], *, note: str) -> list[Receipt]:
-    """Charge a release's ``spends`` to ``principal`` before anything is drawn: all in one transaction, or none
-    (:class:`BudgetExhaustedError`). Zero spends are not recorded; without a ledger nothing is, and no receipt
-    comes back. A function rather than a method, so that a system without a ledger calls it the same way."""
-    priced = [spend for spend in spends if spend.amount != 0]  # a bad amount still reaches spend_all's check
-    return ledger.spend_all(principal, priced, note=note) if ledger is not None and priced else []
+    """:meth:`Ledger.charge`, for a system that may run without a ledger: then nothing is recorded, and no receipt
+    comes back."""
+    return ledger.charge(principal, spends, note=note) if ledger is not None else []

@@ -12,31 +12,28 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
-from privlm._validation import check_in_interval, check_positive_finite
+from privlm._validation import validated
 
-FORMAT = "privlm.cape.logit-bound/1"
+FORMAT: Literal["privlm.cape.logit-bound/1"] = "privlm.cape.logit-bound/1"
 
 
-@dataclass(frozen=True)
-class LogitBound:
-    """B, and where it came from."""
+class LogitBound(BaseModel):
+    """B, and where it came from: checked on construction and on every read (an unknown key is refused)."""
 
-    value: float
-    model_fingerprint: str
-    quantile: float = 1.0
-    n_texts: int = 0
-    n_logits: int = 0
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "value", check_positive_finite("logit bound value", self.value))
-        check_in_interval("quantile", self.quantile, 0, 1, low_open=True)
-        if not isinstance(self.model_fingerprint, str) or not self.model_fingerprint:
-            raise ValueError("model_fingerprint must be a non-empty string")
+    format: Literal["privlm.cape.logit-bound/1"] = FORMAT
+    value: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    model_fingerprint: Annotated[str, Field(min_length=1)]
+    quantile: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n_texts: NonNegativeInt = 0
+    n_logits: NonNegativeInt = 0
 
     def check_model(self, fingerprint: str) -> None:
         """Refuse a bound calibrated on another model."""
@@ -47,18 +44,15 @@ class LogitBound:
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.write_text(json.dumps({"format": FORMAT, **asdict(self)}, indent=2) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(self.model_dump(), indent=2) + "\n", encoding="utf-8")
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> LogitBound:
         content = json.loads(Path(path).read_text(encoding="utf-8"))
-        if not isinstance(content, dict) or content.pop("format", None) != FORMAT:
+        if not isinstance(content, dict) or content.get("format") != FORMAT:
             raise ValueError(f"{path} is not a saved Cape logit bound ({FORMAT})")
-        try:
-            return cls(**content)
-        except TypeError as error:
-            raise ValueError(f"{path} is not a valid Cape logit bound: {error}") from None
+        return validated(cls, content, refusal=f"{path} is not a valid Cape logit bound")
 
 
 def bound_from_logits(magnitudes: torch.Tensor, quantile: float) -> float:

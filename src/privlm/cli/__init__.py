@@ -1,9 +1,13 @@
-"""The ``privlm`` command line: the root app, with one module per system registering its commands, and the
-commands of installed plugins (the bench kit)."""
+"""The ``privlm`` command line: the root app (:mod:`privlm.cli.root`), one module per system registering its
+commands, and :mod:`privlm.cli.main`, which puts them together with the plugins' commands. ``privlm.cli.app``
+loads it on first use, so that a plugin's own modules may import :mod:`privlm.cli.root` without a circle."""
 
-from privlm.cli import cape, gateway, sap, snd  # noqa: F401 - registers commands
-from privlm.cli.app import add_plugin_commands, app
+from typing import Any
 
-add_plugin_commands()
 
-__all__ = ["app"]
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from privlm.cli.main import app
+
+        return app
+    raise AttributeError(f"module 'privlm.cli' has no attribute {name!r}")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from privlm.cli.app import app, console
+from privlm.cli.root import app, console
 
 if TYPE_CHECKING:
     from privlm.models.text_mechanisms import TextMechanism

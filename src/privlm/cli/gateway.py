@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from privlm.cli.app import app, console
 from privlm.cli.cape import EPSILON_HELP
+from privlm.cli.root import app, console
 from privlm.cli.snd import (
     AllowKeylessOption,
     DocsOption,

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import app, console, parse_counts
+from privlm.cli.root import app, console, parse_counts
 from privlm.cli.snd import (
     AllowKeylessOption,
     ApiKeyFileOption,

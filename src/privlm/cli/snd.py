@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from privlm.cli.app import app, console, parse_levels, parse_list
+from privlm.cli.root import app, console, parse_levels, parse_list
 
 if TYPE_CHECKING:
     from privlm.service import ServiceOptions

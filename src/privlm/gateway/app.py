@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Unpack
 
-import torch
 from fastapi import APIRouter, FastAPI
 
 import privlm.baselines
@@ -28,11 +27,9 @@ from privlm.cape.calibration import LogitBound
 from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
 from privlm.cape.service.extraction import AnswerExtractor
 from privlm.cape.service.guardrail import guardrail_router
-from privlm.cape.service.privacy import PromptPrivacy, token_counter
-from privlm.mechanisms import make_generator
+from privlm.cape.service.privacy import PromptPrivacy
 from privlm.models.language import LanguageModel
-from privlm.models.perturbation import TextPerturber
-from privlm.models.text_mechanisms import MechanismContext, text_mechanism
+from privlm.models.text_mechanisms import text_mechanism
 from privlm.service import BearerKeys, ModelEntry, ServiceOptions, catalog_router, create_service_app
 from privlm.service.audit import AuditLog
 from privlm.service.upstream import ChatUpstream
@@ -99,24 +96,14 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
 def mechanism_privacy(mechanism: str, device_model: LanguageModel, *, epsilon: float,
                       logit_bound: float | LogitBound | None, budget: float | None = None,
                       ledger_path: str | Path | None = None, max_prompt_tokens: int = 8192) -> PromptPrivacy:
-    """The privacy step of any token-level mechanism by name (:mod:`privlm.models.text_mechanisms`), on
-    ``device_model``.
+    """The privacy step of any token-level mechanism by name (:meth:`PromptPrivacy.of`), on ``device_model``.
 
     With ``budget``: a ledger at ``ledger_path`` with that budget per principal, in the unit the mechanism
-    registered. The mechanism is built once now (a bad name, epsilon or missing bound fails at start), then afresh
-    for every request.
+    registered.
     """
-    chosen = text_mechanism(mechanism)
-    context = MechanismContext(device_model=device_model, logit_bound=logit_bound)
-    chosen.build(context, epsilon=epsilon, generator=make_generator(device=device_model.device))
     if (budget is None) != (ledger_path is None):
         raise ValueError("a budget needs a ledger path, and a ledger path a budget")
-    ledger = (Ledger(ledger_path, budgets={chosen.unit: budget}) if budget is not None and ledger_path is not None
-              else None)
-
-    def build(eps: float, generator: torch.Generator, ledger_: Ledger | None, principal: str) -> TextPerturber:
-        return chosen.build(context, epsilon=eps, generator=generator, ledger=ledger_, principal=principal)
-
-    return PromptPrivacy(build, mechanism=chosen.name, epsilon=epsilon, count_tokens=token_counter(device_model),
-                         ledger=ledger, unit=chosen.unit, max_prompt_tokens=max_prompt_tokens,
-                         device=device_model.device)
+    unit = text_mechanism(mechanism).unit
+    ledger = Ledger(ledger_path, budgets={unit: budget}) if budget is not None and ledger_path is not None else None
+    return PromptPrivacy.of(mechanism, device_model, epsilon=epsilon, logit_bound=logit_bound, ledger=ledger,
+                            max_prompt_tokens=max_prompt_tokens)

@@ -23,23 +23,24 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
-from privlm._validation import check_float_tensor
+from privlm._validation import check_float_tensor, validated
 from privlm.models.fingerprints import weights_sha256
 from privlm.models.loading import model_family
 from privlm.models.pooling import POOLERS, Pooling, choose_pooling
 
 BOTTOM_WEIGHTS = "bottom.safetensors"
 BOTTOM_CONFIG = "bottom.json"
-BOTTOM_FORMAT = "privlm-sap-bottom/1"
+BOTTOM_FORMAT: Literal["privlm-sap-bottom/1"] = "privlm-sap-bottom/1"
 EmbedFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 BlocksFn = Callable[[torch.nn.ModuleList, PretrainedConfig, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -102,19 +103,21 @@ def _get(module: torch.nn.Module, path: str) -> Any:
     return module
 
 
-@dataclass(frozen=True)
-class BottomConfig:
-    """What the customer needs to rebuild and check the bottom: the model config and the split depth."""
+class BottomConfig(BaseModel):
+    """What the customer needs to rebuild and check the bottom: the model config and the split depth. The
+    transformers config is ``model_config`` in the file (a name pydantic reserves for itself)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, serialize_by_alias=True)
 
     model_name: str
     model_type: str
-    blocks: int
-    total_blocks: int
-    hidden_size: int
-    vocab_size: int
-    model_config: dict[str, Any]
+    blocks: NonNegativeInt
+    total_blocks: PositiveInt
+    hidden_size: PositiveInt
+    vocab_size: PositiveInt
+    transformers_config: dict[str, Any] = Field(alias="model_config")
     fingerprint: str = ""  # sha256 of the bottom's weights
-    format: str = BOTTOM_FORMAT
+    format: Literal["privlm-sap-bottom/1"] = BOTTOM_FORMAT
 
 
 class _Blocks(torch.nn.Module):
@@ -172,7 +175,7 @@ class BottomModel(torch.nn.Module):
         if self.embeddings is not None:  # the table is stored once, under embeddings.word_embeddings
             state.pop("word_embeddings.weight", None)
         save_file(state, str(directory / BOTTOM_WEIGHTS))
-        (directory / BOTTOM_CONFIG).write_text(json.dumps(asdict(self.config), indent=1, sort_keys=True))
+        (directory / BOTTOM_CONFIG).write_text(json.dumps(self.config.model_dump(), indent=1, sort_keys=True))
         return directory
 
 
@@ -253,7 +256,7 @@ def split_model(model: PreTrainedModel, blocks: int, *, pooling: Pooling | None 
                                  hidden_size=config.hidden_size, vocab_size=config.vocab_size,
                                  model_config=config.to_dict())
     bottom = BottomModel(bottom_config, bottom_word, bottom_embeddings, bottom_blocks).eval()
-    bottom.config = BottomConfig(**{**asdict(bottom_config), "fingerprint": weights_sha256(bottom)})
+    bottom.config = bottom_config.model_copy(update={"fingerprint": weights_sha256(bottom)})
     top_blocks = _Blocks(copy.deepcopy(torch.nn.ModuleList(layers[blocks:])), config, anatomy)
     head = None
     if n_classes is not None:  # on the model's device and dtype, so the top runs where the model does
@@ -274,12 +277,9 @@ def load_bottom(directory: str | Path, *, expected_fingerprint: str | None = Non
     if not isinstance(raw, dict) or raw.get("format") != BOTTOM_FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         raise ValueError(f"{directory / BOTTOM_CONFIG} is not a privlm bottom model (format {found!r})")
-    try:
-        config = BottomConfig(**raw)
-    except TypeError as error:  # missing or unknown fields
-        raise ValueError(f"{directory / BOTTOM_CONFIG} is not a valid bottom config: {error}") from None
+    config = validated(BottomConfig, raw, refusal=f"{directory / BOTTOM_CONFIG} is not a valid bottom config")
     model_config = AutoConfig.for_model(config.model_type, **{
-        k: v for k, v in config.model_config.items() if k not in ("model_type", "transformers_version")})
+        k: v for k, v in config.transformers_config.items() if k not in ("model_type", "transformers_version")})
     with torch.random.fork_rng(devices=[]):  # the shell's random init must not move the caller's global RNG
         shell = AutoModel.from_config(model_config)
     bottom, _ = split_model(shell, config.blocks, name=config.model_name)

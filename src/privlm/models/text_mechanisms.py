@@ -39,8 +39,6 @@ def check_epsilon(epsilon: object, *, name: str = "epsilon") -> float:
     return check_positive_finite(name, epsilon)
 
 
-
-
 class CalibratedBound(Protocol):
     """Cape's logit bound B as a calibration gives it (``privlm.cape.LogitBound``), without importing Cape."""
 

@@ -187,7 +187,8 @@ class _Run:
         self.records: list[EpochRecord] = []
         self.kept: dict[int, tuple[int, CustomerState]] = {}  # the best epoch so far: its last step, the state then
         self.resumable: dict[int, CustomerState] = {}
-        self.rewinds = self.stalled = 0
+        self.rewinds = self.stalled = 0  # stalled: rewinds since the loop last got past the furthest step refused
+        self.furthest_refused = -1
         self._remember_if_checkpointed()
 
     @property
@@ -244,10 +245,11 @@ class _Run:
                                     f"only at step(s) {sorted(self.resumable)}: cannot resume") from error
         self.customer.load_state(state)
         self.rewinds += 1
-        self.stalled = self.stalled + 1 if self.done <= step else 0
+        self.stalled = self.stalled + 1 if step <= self.furthest_refused else 1
+        self.furthest_refused = max(self.furthest_refused, step)
         if self.stalled > MAX_REWINDS_WITHOUT_PROGRESS:
-            raise VendorBehindError(f"the vendor sent this customer back {self.stalled} times without a step taken "
-                                    f"in between (last: {error}); giving up") from error
+            raise VendorBehindError(f"the vendor sent this customer back {self.stalled} times without it getting past "
+                                    f"step {self.furthest_refused} (last: {error}); giving up") from error
 
     def choose(self) -> EpochRecord:
         """Both parties back to the best epoch's state (the customer's step count goes on)."""

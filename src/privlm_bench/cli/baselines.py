@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import console, parse_levels
+from privlm.cli.root import console, parse_levels
 from privlm_bench.cli.app import bench_app
 
 

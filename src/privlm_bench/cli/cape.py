@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import console, parse_levels, parse_list
-from privlm_bench.cli.app import bench_app
+from privlm.cli.root import console, parse_levels, parse_list
+from privlm_bench.cli.app import bench_app, registered_sweep
 
 
 @bench_app.command("cape")
@@ -46,7 +46,6 @@ def bench_cape(
     from privlm_bench.cape.speed import measure_speed, write_speed
     from privlm_bench.cape.sweep import CapeBench, CapeSetting, cape_sweep
     from privlm_bench.harness.bench import run_sweep
-    from privlm_bench.harness.registry import sweep_entry
 
     try:
         names = tuple(m.name for m in text_mechanisms(parse_list(mechanisms) if mechanisms else None))
@@ -66,6 +65,6 @@ def bench_cape(
         console.print((out / "speed.md").read_text())
     sweep = cape_sweep(setting, bench=bench)
     report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
-    extra = sweep_entry("cape").extra_reports(out)
+    extra = registered_sweep("cape").extra_reports(out)
     console.print((out / "claims.md").read_text())
     console.print(f"Wrote {', '.join(str(f) for f in [*report.files, *extra])}")

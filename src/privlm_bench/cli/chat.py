@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import console, parse_counts, parse_levels
+from privlm.cli.root import console, parse_counts, parse_levels
 from privlm_bench.cli.app import bench_app
 
 

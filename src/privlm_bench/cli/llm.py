@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import console
+from privlm.cli.root import console
 from privlm.cli.snd import (
     AllowKeylessOption,
     ApiKeyFileOption,

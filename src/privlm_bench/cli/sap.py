@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from privlm.cli.app import console, parse_levels, parse_list
+from privlm.cli.root import console, parse_levels, parse_list
 from privlm_bench.cli.app import bench_app
 
 
@@ -55,7 +55,7 @@ def bench_sap(
                                                               "100).")] = None,
     seed: Annotated[int | None, typer.Option(min=0, help="Seed of the split, training and noise (default 0).")]
         = None,
-    device: Annotated[str | None, typer.Option(help="cpu (default), cuda, cuda:N or auto.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto (default: CUDA when present), cpu, cuda or cuda:N.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the runs a crashed sweep in --out finished.")]
         = False,
 ) -> None:

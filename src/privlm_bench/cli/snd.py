@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from privlm.cli.app import console, parse_levels, parse_list
-from privlm_bench.cli.app import bench_app
+from privlm.cli.root import console, parse_levels, parse_list
+from privlm_bench.cli.app import bench_app, registered_sweep
 
 
 @bench_app.command("snd")
@@ -39,7 +39,6 @@ def bench_snd(
     from privlm._validation import check_choice
     from privlm_bench.harness.bench import run_sweep
     from privlm_bench.harness.probes import PROBE_KINDS
-    from privlm_bench.harness.registry import sweep_entry
     from privlm_bench.snd.sweep import SnDSetting, snd_sweep
 
     if cost:
@@ -63,7 +62,7 @@ def bench_snd(
             raise typer.BadParameter(str(error)) from None
     console.print(f"Levels: {sweep.levels}; methods: {[m.key for m in sweep.methods]}")
     report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
-    extra = sweep_entry("snd").extra_reports(out)
+    extra = registered_sweep("snd").extra_reports(out)
     console.print((out / "results.md").read_text())
     for file in extra:
         console.print(file.read_text())

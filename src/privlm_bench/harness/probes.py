@@ -106,9 +106,6 @@ class ProbeResult:
     n_test: int
     details: dict[str, float] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, float | int | str | None]:
-        return {k: v for k, v in self.__dict__.items() if k != "details"} | self.details
-
 
 @dataclass(kw_only=True)
 class Probe:

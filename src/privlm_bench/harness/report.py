@@ -9,10 +9,6 @@ from pathlib import Path
 from matplotlib.figure import Figure  # the object API draws to files without touching pyplot's backend
 
 
-def format_level(level: float) -> str:
-    return "∞ (non-private)" if math.isinf(level) else f"{level:g}"
-
-
 def _cell(value: object) -> str:
     if isinstance(value, float):
         if math.isnan(value):

@@ -182,7 +182,7 @@ class SapBenchSetting:
     accuracy_margin: float = 0.01
     privacy_margin: float = 0.02
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # results.json records the device it resolved to
 
     def __post_init__(self) -> None:
         for name in ("n_train", "n_validation", "n_test", "epochs", "batch_size", "max_length", "nn_examples",
@@ -852,7 +852,7 @@ def run_sap_bench(setting: SapBenchSetting, out_dir: Path, console: Console | No
         "metadata": {**meta, "sweep": "sap", "wall_seconds": round(time.perf_counter() - started, 1),
                      "resumed_runs": sorted(done),
                      "description": f"SAP on {bench.task.name} with {setting.model}: privacy against utility"},
-        "setting": asdict(setting),
+        "setting": asdict(setting) | {"device": str(bench.device)},  # "auto" as resolved: rerun with it
         "environment": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "thread_variables": {
             name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}},
         "data": bench.data_description,

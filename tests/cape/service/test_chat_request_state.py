@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from privlm.accounting import Ledger
-from privlm.cape.service.privacy import PromptPrivacy, cape_factory
+from privlm.cape.service.privacy import PromptPrivacy
 from tests.support.chat import EPS, TIMEOUT, B, FakePerturber, chat_body, chat_gateway, fake_privacy
 
 KEYS = ("key-first-0001", "key-second-002", "key-third-0003")
@@ -100,8 +100,9 @@ def test_every_request_gets_a_fresh_generator_and_its_callers_principal(stub):
 @pytest.mark.slow
 def test_every_request_gets_its_own_cape(smollm2_lm, stub):
     """The same with the real Cape factory: one Cape per request, drawing from the generator it was handed."""
-    spy = Spy(cape_factory(smollm2_lm, logit_bound=B))
-    privacy = PromptPrivacy(spy, mechanism="cape", epsilon=EPS, count_tokens=lambda text: len(text.split()))
+    spy = Spy(PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B).factory)
+    privacy = PromptPrivacy(spy, mechanism="cape", epsilon=EPS, count_tokens=lambda text: len(text.split()),
+                            device=smollm2_lm.device)
     requests = [(KEYS[i % 2], f"Alice number {i} lives in Boston") for i in range(4)]
     with chat_gateway(privacy, stub.url, api_keys=list(KEYS)) as url:
         assert send_all(url, requests) == [200] * len(requests)

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import privlm.cli  # noqa: F401 - registers every command
-from privlm.cli.app import app
+from privlm.cli import app
 from privlm.sap.service.server import create_vendor_app
 from tests.sap.conftest import LABELS, TEXTS
 from tests.sap.service.conftest import KEYS

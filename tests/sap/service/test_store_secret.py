@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import privlm.cli  # registers every command
 import privlm.service
 from privlm.accounting import SecretFileError
-from privlm.cli.app import app
+from privlm.cli import app
 from privlm.sap.service.server import create_vendor_app
 from privlm.sap.service.wire import SESSIONS_PATH
 from tests.sap.service.conftest import KEYS

@@ -28,6 +28,9 @@ from privlm.sap import (
 from privlm.sap.service.client import Client
 from privlm.sap.service.server import create_vendor_app
 from privlm.sap.service.wire import SESSIONS_PATH
+from privlm.sap.training import MAX_REWINDS_WITHOUT_PROGRESS
+from privlm.sap.transport import VendorBehindError
+from privlm.service import ServerError
 from privlm.service.process import start_privlm, stop
 from tests.sap.conftest import LABELS, TEXTS
 from tests.sap.service.conftest import KEYS
@@ -99,6 +102,29 @@ def test_a_restarted_vendor_resumes_and_the_result_is_the_same(vendor_model, tmp
     assert all(torch.equal(adapter[k], adapter_again[k]) for k in adapter)
     assert all(torch.equal(head[k], head_again[k]) for k in head)
     assert resumed.account == plain.account  # a replayed step resends its release: no new noise, no new charge
+
+
+def test_a_vendor_that_keeps_restarting_is_given_up_as_a_server_error(vendor_model, tmp_path):
+    """The vendor restarts before every step after the first, back to its checkpoint at step 0: the customer
+    rewinds and replays until it gives up, and ``Client.fit`` says so as the vendor's failure (one line)."""
+    app = _app(vendor_model, tmp_path / "store")
+    with serving(app) as url, Client(url, config=_config(), n_classes=2, api_key=KEYS[0],
+                                     cache_dir=tmp_path / "cache") as client:
+        sent, restarts = client.transport.exchange, 0
+
+        def exchange(message):  # type: ignore[no-untyped-def]
+            nonlocal restarts
+            if isinstance(message, Forward) and message.train and message.step >= 1:
+                restarts += 1
+                assert restarts < 50, "the training loop never gave up"
+                app.state.sessions.forget(client.session_id)
+            return sent(message)
+
+        client.transport.exchange = exchange  # type: ignore[method-assign]
+        with pytest.raises(ServerError, match="giving up") as refused:
+            client.fit(TEXTS, LABELS, VALIDATION, VALIDATION_LABELS, progress=False)
+    assert isinstance(refused.value.__cause__, VendorBehindError) and "\n" not in str(refused.value)
+    assert restarts == MAX_REWINDS_WITHOUT_PROGRESS + 1
 
 
 def _session(url: str, key: str, fingerprint: str, **change: object) -> dict:

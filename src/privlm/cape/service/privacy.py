@@ -21,11 +21,11 @@ import torch
 from privlm._validation import check_positive_int
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.cape.calibration import LogitBound
-from privlm.cape.model import Cape
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
+from privlm.models.device import resolve_device
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PromptReport, TextPerturber
-from privlm.models.text_mechanisms import check_epsilon
+from privlm.models.text_mechanisms import CalibratedBound, MechanismContext, check_epsilon, text_mechanism
 from privlm.service import ServiceError
 
 PerturberFactory = Callable[[float, torch.Generator, Ledger | None, str], TextPerturber]
@@ -84,15 +84,6 @@ class PrivateTexts:
         return sum(r.n_unchanged for r in self.reports if r is not None)
 
 
-def cape_factory(device_model: LanguageModel, *, logit_bound: float | LogitBound | None,
-                 **options: object) -> PerturberFactory:
-    """Cape on ``device_model`` (options: ``lambda_L``, ``lambda_D``, ``n_buckets``...), built per call."""
-    def build(epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> TextPerturber:
-        return Cape(device_model, epsilon=epsilon, logit_bound=logit_bound, generator=generator, ledger=ledger,
-                    principal=principal, **options)  # type: ignore[arg-type]
-    return build
-
-
 def token_counter(device_model: LanguageModel) -> Callable[[str], int]:
     """A text's token count on ``device_model``'s tokenizer, as the mechanisms tokenize it (no special tokens)."""
     tokenizer = device_model.tokenizer
@@ -110,23 +101,38 @@ class PromptPrivacy:
     def __init__(self, factory: PerturberFactory, *, mechanism: str, epsilon: float,
                  count_tokens: Callable[[str], int], ledger: Ledger | None = None,
                  unit: PrivacyUnit = PrivacyUnit.EPSILON, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "auto") -> None:
         self.factory, self.mechanism = factory, mechanism
         self.epsilon = check_epsilon(epsilon)
         self.count_tokens, self.ledger, self.unit = count_tokens, ledger, unit
         self.max_prompt_tokens = check_positive_int("max_prompt_tokens", max_prompt_tokens)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)  # the generators': where the mechanism draws
         if ledger is not None:
             ledger.budget(unit)  # a ledger without a budget in this unit is refused now, not on the first request
 
     @classmethod
+    def of(cls, mechanism: str, device_model: LanguageModel, *, epsilon: float,
+           logit_bound: CalibratedBound | float | None, ledger: Ledger | None = None,
+           max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> PromptPrivacy:
+        """The mechanism the registry (:mod:`privlm.models.text_mechanisms`) names ``mechanism``, on
+        ``device_model`` with Cape's logit bound B; ``ledger`` must budget the unit it registered. It is built
+        once now (a bad epsilon, or a bound calibrated on another model, fails here), then afresh for every call."""
+        chosen = text_mechanism(mechanism)
+        context = MechanismContext(device_model=device_model, logit_bound=logit_bound)
+
+        def build(eps: float, generator: torch.Generator, ledger_: Ledger | None, principal: str) -> TextPerturber:
+            return chosen.build(context, epsilon=eps, generator=generator, ledger=ledger_, principal=principal)
+
+        build(epsilon, make_generator(device=device_model.device), None, "local")
+        return cls(build, mechanism=chosen.name, epsilon=epsilon, count_tokens=token_counter(device_model),
+                   ledger=ledger, unit=chosen.unit, max_prompt_tokens=max_prompt_tokens, device=device_model.device)
+
+    @classmethod
     def cape(cls, device_model: LanguageModel, *, epsilon: float, logit_bound: float | LogitBound | None,
-             ledger: Ledger | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-             **options: object) -> PromptPrivacy:
+             ledger: Ledger | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> PromptPrivacy:
         """Cape on ``device_model`` with its logit bound B (a :class:`LogitBound` of this model, or a number)."""
-        return cls(cape_factory(device_model, logit_bound=logit_bound, **options), mechanism="cape",
-                   epsilon=epsilon, count_tokens=token_counter(device_model), ledger=ledger, unit=Cape.unit,
-                   max_prompt_tokens=max_prompt_tokens, device=device_model.device)
+        return cls.of("cape", device_model, epsilon=epsilon, logit_bound=logit_bound, ledger=ledger,
+                      max_prompt_tokens=max_prompt_tokens)
 
     def resolve_epsilon(self, requested: float | None, *, param: str = "privlm.epsilon") -> float:
         """The epsilon of one request: the configured one, or a lower one it asks for (a higher one is refused)."""

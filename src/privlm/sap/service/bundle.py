@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -33,8 +32,8 @@ def is_bottom_bundle_file(name: str) -> bool:
 def bottom_bundle(bottom: BottomModel, tokenizer: PreTrainedTokenizerBase) -> Bundle:
     """The bundle for one split position; ``fingerprint`` is what the customer's session request must name."""
     config = bottom.config
-    public = asdict(config) | {"model_name": public_model_name(config.model_name),
-                               "model_config": public_config(config.model_config)}
+    public = config.model_dump() | {"model_name": public_model_name(config.model_name),
+                                    "model_config": public_config(config.transformers_config)}
     facts = BottomFacts(blocks=config.blocks, total_blocks=config.total_blocks, fingerprint=config.fingerprint,
                         model=public["model_name"], hidden_size=config.hidden_size, vocab_size=config.vocab_size)
     bundle = Bundle(format=BUNDLE_FORMAT, facts=facts.model_dump())

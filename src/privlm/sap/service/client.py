@@ -164,9 +164,13 @@ class Client(ClosesHttp):
             test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | np.ndarray | None = None,
             patience: int | None = None, progress: bool = True) -> FitResult:
         """:func:`privlm.sap.training.fit` against this vendor: it then serves the adapter of the epoch best on
-        validation, and the head here is that epoch's too."""
-        return fit(self.customer, train_texts, train_labels, validation_texts, validation_labels,
-                   test_texts=test_texts, test_labels=test_labels, patience=patience, progress=progress)
+        validation, and the head here is that epoch's too. A vendor this customer cannot resume with is a
+        :class:`ServerError`, as every other failure of the vendor."""
+        try:
+            return fit(self.customer, train_texts, train_labels, validation_texts, validation_labels,
+                       test_texts=test_texts, test_labels=test_labels, patience=patience, progress=progress)
+        except VendorBehindError as error:
+            raise ServerError(str(error)) from error
 
     # --- after training -----------------------------------------------------------------------------------
     def predict(self, texts: Sequence[str]) -> torch.Tensor:

@@ -102,12 +102,18 @@ def add_plugin_commands() -> None:
     ``privlm serve-llm`` say how to install it."""
     from privlm.plugins import BENCH_COMMANDS, BENCH_MISSING, bench_installed, command_plugins
 
-    for add_commands in command_plugins().values():
-        add_commands(app)
-    if not bench_installed():
+    bench_problem = None if bench_installed() else BENCH_MISSING
+    for plugin, load in command_plugins().items():
+        try:
+            load()(app)
+        except Exception as error:  # a broken plugin must not take privlm's own commands down with it
+            typer.echo(f"Warning: the plugin {plugin!r} failed to load: {type(error).__name__}: {error}", err=True)
+            if plugin == "bench":
+                bench_problem = f"cannot run: the bench kit failed to load ({type(error).__name__}: {error})"
+    if bench_problem is not None:
         for name in BENCH_COMMANDS:
             app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-                        help=f"(Not installed) `privlm {name}` {BENCH_MISSING}.")(_not_installed(name, BENCH_MISSING))
+                        help=f"(Not available) `privlm {name}` {bench_problem}.")(_not_installed(name, bench_problem))
 
 
 def _not_installed(name: str, hint: str) -> Callable[[], None]:
