@@ -29,11 +29,9 @@ demo: $(STAMP)
 	$(VENV)/bin/privlm demo
 
 # Every core (pytest-xdist): each module runs whole on one worker (tests/conftest.py), so each worker loads the
-# real models its modules use, once.
+# real models its modules use, once; the two Ray modules (xdist group "ray") run one after the other, first.
 test: lint
-	$(PY) -m pytest -q -n auto --dist loadgroup -m "not ray"
-	# Alone, after: a local Ray cluster beside a loaded worker made SAP's replica test time out.
-	$(PY) -m pytest -q -m ray
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 # Without the tests that load a real packaged model (marked slow by tests/conftest.py) or are marked slow by hand.
 test-fast: $(STAMP)
