@@ -42,7 +42,7 @@ privlm.service.process.free_port = _worker_free_port
 
 # Under xdist, each worker (and every process it starts) gets its share of the cores: torch's default, a thread per
 # core in every worker, oversubscribes the machine, and its threads then wait on each other (a SmolLM2 generation
-# took six times as long beside another worker as alone).
+# test took 50 s in a parallel run on a busy machine, 8 s alone; after this and a lighter CLI start, 10 s).
 if "PYTEST_XDIST_WORKER" in os.environ:
     _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
     torch.set_num_threads(_threads)
