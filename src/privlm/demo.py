@@ -13,6 +13,9 @@
    kit (without it, this step says how to install it); what the upstream received, the report and its answer.
 7. SAP (printed as step 6): ``privlm sap vendor`` on localhost; a customer fine-tunes LoRA through it on 48
    tweets for one epoch, keeping texts, labels and the head, then asks for one private prediction.
+
+The three servers (``privlm serve``, ``serve-llm``, ``sap vendor``) start at the beginning, so that they load their
+models while steps 1 to 4 run in this process; every one is stopped when the demo ends, however it ends.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from privlm.mechanisms import (
 )
 from privlm.models import SplitModel
 from privlm.plugins import BENCH_MISSING, bench_installed
-from privlm.service.process import free_port, start_privlm, stop
+from privlm.service.process import free_port, launch_privlm, stop, wait_healthy
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
 PROMPT = "My name is Alice Smith, I live in Boston and my doctor says I have diabetes."
@@ -119,8 +122,38 @@ def cape_section(console: Console, generator: torch.Generator) -> LogitBound:
     return bound
 
 
+@dataclass
+class Launched:
+    """A localhost service started at the demo's start, so that it loads its model while the in-process steps run."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+
+    @classmethod
+    def launch(cls, args: list[str]) -> Launched:
+        port = free_port()
+        return cls(launch_privlm([*args, "--port", str(port)]), f"http://127.0.0.1:{port}")
+
+    def ready(self, timeout: float = 300.0) -> str:
+        """Its URL once it answers its health check."""
+        wait_healthy(self.process, f"{self.url}/health", timeout=timeout)
+        return self.url
+
+
 def run(console: Console | None = None, *, seed: int | None = None) -> list[InversionRow]:
     console = console or Console()
+    with tempfile.TemporaryDirectory(prefix="privlm-demo-") as scratch:
+        server = Launched.launch(["serve"])
+        llm = Launched.launch(["serve-llm"]) if bench_installed() else None  # the bench kit's local chat upstream
+        vendor = Launched.launch(["sap", "vendor", "--store", str(Path(scratch) / "sap"), "--device", "cpu"])
+        try:
+            return _steps(console, seed, server, llm, vendor, Path(scratch))
+        finally:
+            stop(*(s.process for s in (server, llm, vendor) if s is not None))
+
+
+def _steps(console: Console, seed: int | None, server: Launched, llm: Launched | None, vendor: Launched,
+           scratch: Path) -> list[InversionRow]:
     generator = make_generator(seed)
     with console.status("Loading the packaged MiniLM (all-MiniLM-L6-v2)..."):
         model = SplitModel.from_pretrained("minilm")
@@ -139,37 +172,31 @@ def run(console: Console | None = None, *, seed: int | None = None) -> list[Inve
 
     bound = cape_section(console, generator)
     snd_section(console, model, generator)
-    service_section(console, model, generator, bound)
-    sap_section(console, seed)
+    service_section(console, model, generator, bound, server=server, llm=llm, scratch=scratch)
+    sap_section(console, seed, vendor, scratch)
     return rows
 
 
-def sap_section(console: Console, seed: int | None) -> None:
+def sap_section(console: Console, seed: int | None, vendor: Launched, scratch: Path) -> None:
     """A vendor (`privlm sap vendor`) on localhost; a customer fine-tunes on a few tweets it keeps, with its labels
     and the head at home, then asks for a private prediction."""
     from privlm.data import load_tweets
     from privlm.sap import Client, SapConfig
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    console.print(f"\n[bold]6. SAP: private fine-tuning[/bold]: `privlm sap vendor` on {url} keeps the model's top "
-                  "and trains LoRA on it; the customer keeps its tweets, labels and the head")
+    console.print(f"\n[bold]6. SAP: private fine-tuning[/bold]: `privlm sap vendor` on {vendor.url} keeps the "
+                  "model's top and trains LoRA on it; the customer keeps its tweets, labels and the head")
     tweets = load_tweets(limit=SAP_TWEETS, seed=0)
     train, validation = tweets.subset(range(SAP_TWEETS - 16)), tweets.subset(range(SAP_TWEETS - 16, SAP_TWEETS))
     config = SapConfig(blocks=0, eta=SAP_ETA, head="customer", epochs=1, batch_size=16, noise_seed=seed)
-    with tempfile.TemporaryDirectory(prefix="privlm-demo-sap-") as scratch:
-        vendor = None
-        try:
-            with console.status("Starting privlm sap vendor..."):
-                vendor = start_privlm(["sap", "vendor", "--store", scratch, "--port", str(port), "--device", "cpu"],
-                                      f"{url}/health")
-            with console.status("Fine-tuning through the vendor..."), \
-                    Client(url, config=config, n_classes=3, cache_dir=Path(scratch) / "cache") as client:
-                report = client.fit(train.texts, train.labels, validation.texts, validation.labels, progress=False)
-                probabilities = client.predict([SAP_QUESTION])
-        finally:
-            if vendor is not None:
-                stop(vendor)
+    try:
+        with console.status("Starting privlm sap vendor..."):
+            url = vendor.ready()
+        with console.status("Fine-tuning through the vendor..."), \
+                Client(url, config=config, n_classes=3, cache_dir=scratch / "sap-cache") as client:
+            report = client.fit(train.texts, train.labels, validation.texts, validation.labels, progress=False)
+            probabilities = client.predict([SAP_QUESTION])
+    finally:
+        stop(vendor.process)
     traffic, account = report.traffic.by_purpose, report.account
     console.print(f"{len(train.texts)} tweets, {report.steps} steps at eta {SAP_ETA:g}: the vendor received "
                   f"{traffic['upload']['bytes_to_vendor'] / 1e6:.1f} MB of privatized token rows once, then "
@@ -199,21 +226,29 @@ def snd_section(console: Console, model: SplitModel, generator: torch.Generator)
     console.print(table)
 
 
-def service_section(console: Console, model: SplitModel, generator: torch.Generator, bound: LogitBound) -> None:
+def service_section(console: Console, model: SplitModel, generator: torch.Generator, bound: LogitBound, *,
+                    server: Launched, llm: Launched | None, scratch: Path) -> None:
     import httpx
 
     from privlm.snd import Client
 
-    server_port, gateway_port, llm_port = free_port(), free_port(), free_port()
-    server_url, gateway_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
-    llm_url = f"http://127.0.0.1:{llm_port}"
-    console.print(f"\n[bold]4. SnD as a service[/bold]: `privlm serve` on {server_url}, client SDK, "
+    gateway_port = free_port()
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    console.print(f"\n[bold]4. SnD as a service[/bold]: `privlm serve` on {server.url}, client SDK, "
                   f"`privlm gateway` on {gateway_url}")
-    processes: list[subprocess.Popen[bytes]] = []
-    scratch = tempfile.TemporaryDirectory(prefix="privlm-demo-")
+    processes: list[subprocess.Popen[bytes]] = [server.process]
     try:
         with console.status("Starting privlm serve..."):
-            processes.append(start_privlm(["serve", "--port", str(server_port)], f"{server_url}/health"))
+            server_url = server.ready()
+        chat_options: list[str] = []
+        if llm is not None:
+            bound_file = bound.save(scratch / "logit_bound.json")
+            chat_options = ["--chat-upstream", llm.url, "--epsilon", f"{CAPE_EPSILON:g}",
+                            "--logit-bound", str(bound_file)]
+            processes.append(llm.process)
+        gateway = launch_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", *chat_options,
+                                 "--port", str(gateway_port)])  # it loads while the client SDK runs
+        processes.append(gateway)
         with Client(server_url, eta=SND_ETA, generator=generator) as client:
             private = client.privatize(SND_SENTENCES)
             e_n = client.server_encode(private)  # the only thing that crossed: X~ and the mask
@@ -231,16 +266,10 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
             table.add_row(text, f"{float(e_n[i] @ clean[i]):.3f}", f"{float(denoised[i] @ clean[i]):.3f}",
                           f"{hits:.0%} of tokens")
         console.print(table)
-        chat = bench_installed()  # the local chat upstream, `privlm serve-llm`, is the bench kit's
         with console.status("Starting privlm serve-llm (the local chat upstream) and privlm gateway..."):
-            chat_options: list[str] = []
-            if chat:
-                processes.append(start_privlm(["serve-llm", "--port", str(llm_port)], f"{llm_url}/health"))
-                bound_file = bound.save(Path(scratch.name) / "logit_bound.json")
-                chat_options = ["--chat-upstream", llm_url, "--epsilon", f"{CAPE_EPSILON:g}",
-                                "--logit-bound", str(bound_file)]
-            processes.append(start_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}",
-                                           *chat_options, "--port", str(gateway_port)], f"{gateway_url}/health"))
+            if llm is not None:
+                llm.ready()
+            wait_healthy(gateway, f"{gateway_url}/health", timeout=300)
         response = httpx.post(f"{gateway_url}/v1/embeddings", timeout=60,
                               json={"model": "privlm-snd-minilm", "input": [SND_SENTENCES[0]]})
         response.raise_for_status()
@@ -249,14 +278,13 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
         console.print(f"OpenAI-format request -> gateway -> private round trip: {len(vector)}-d embedding, "
                       f"cos to the non-private one {float(vector @ clean[0]):.3f}, "
                       f"{answer['usage']['prompt_tokens']} tokens, eta {response.headers['x-privlm-eta']} per token")
-        if chat:
+        if llm is not None:
             chat_section(console, gateway_url)
         else:
             console.print(f"\n[bold]5. Private chat[/bold]: skipped: `privlm serve-llm`, its local upstream, "
                           f"{BENCH_MISSING}.")
     finally:
         stop(*processes)
-        scratch.cleanup()
         console.print("Servers and gateway stopped.")
 
 

@@ -1,3 +1,4 @@
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -6,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 from rich.console import Console
+from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 from privlm.accounting import Ledger
@@ -114,10 +116,28 @@ def test_the_knn_cache_equals_token_id_inversion(smollm2_lm):
 
 # --- a tiny run, end to end -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_device_model(smollm2_lm, tmp_path_factory):
+    """A 2-block random Llama with SmolLM2's tokenizer, chat template and vocabulary, saved as a model folder: the
+    sweep takes the same paths as on SmolLM2 (whose forward passes made the run 25 s; the tests above use it)."""
+    config = copy.deepcopy(smollm2_lm.model.config)
+    config.update({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("cape-device-model")
+    model.save_pretrained(folder)
+    smollm2_lm.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_device_model, vendor_model, tmp_path_factory):
+    # vendor_model: a random BERT with MiniLM's tokenizer, the sentence encoder of the utility scores
     setting = CapeSetting(mechanisms=("cape", "cape-unbucketed", "toy"), epsilons=(2.0, 20.0), n_train=24,
                           n_validation=12, n_test=6, calibration_texts=2, zero_shot_texts=2, mti_sentences=1,
-                          mti_top_k=1, mti_max_tokens=18, nw_tokens=2, int8_epsilons=(20.0,), device="cpu")
+                          mti_top_k=1, mti_max_tokens=18, nw_tokens=2, int8_epsilons=(20.0,), device="cpu",
+                          device_model=str(tiny_device_model), encoder=str(vendor_model))
     bench = CapeBench(setting, mechanisms=[*text_mechanisms(["cape", "cape-unbucketed"]), TOY])
     out = tmp_path_factory.mktemp("cape-bench")
     report = run_sweep(cape_sweep(setting, bench=bench), out_dir=out, seed=0, console=Console(quiet=True),

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from privlm.provenance import git_commit
-from privlm_bench.snd.hardening import QUICK, Body, HardeningRun, chunked_post, legal_texts, run_hardening
+from privlm.wire.tensors import Limits
+from privlm_bench.snd.hardening import MIB, QUICK, Body, HardeningRun, chunked_post, legal_texts, run_hardening
 from tests.models.tiny import tiny_bert_folder
 
 
@@ -43,7 +44,10 @@ def test_chunked_post_reads_an_answer_sent_before_the_whole_body():
 @pytest.mark.slow
 def test_the_driver_runs_on_tiny_sizes_and_records_its_provenance(tmp_path):
     model = tiny_bert_folder(tmp_path / "tiny")
-    sizes = replace(QUICK, upload_mib=20, cap_s=20.0, inputs=8, token_cap=200, issue_tokens=400)
+    over_server_limit = Limits(dim=1).max_request_bytes // MIB + 1  # the server's limit, plus a MiB
+    # corpus_texts: a few hundred tokens of requests need few texts (the whole corpus took 3 s to tokenize)
+    sizes = replace(QUICK, upload_mib=over_server_limit, cap_s=20.0, inputs=8, token_cap=200, issue_tokens=400,
+                    corpus_texts=64)
     files = run_hardening(HardeningRun(out_dir=tmp_path / "out", model=str(model), label="test", sizes=sizes,
                                        command=["privlm", "bench", "hardening"], log=lambda _: None,
                                        fresh_services=False, denoiser="none"))
@@ -52,6 +56,7 @@ def test_the_driver_runs_on_tiny_sizes_and_records_its_provenance(tmp_path):
     meta, f3, f7 = payload["metadata"], payload["finding_3"], payload["finding_7"]
     assert meta["label"] == "test" and meta["source"]["git_commit"] == git_commit()
     assert meta["source"]["privlm_imported_from"].endswith("privlm/__init__.py")
+    assert f3["server_upload"]["status"] == 413  # over the limit (early or not: the last MiB may be in flight)
     for case in [f3["server_upload"], *f3["gateway_uploads"]]:  # every case got an answer, memory was sampled
         assert isinstance(case["status"], int) and case["rss"]["peak_mib"] >= case["rss"]["baseline_mib"] > 0
     assert f7["small_alone"]["answered_200"] == sizes.alone_tries

@@ -17,8 +17,9 @@ def squared_distances(queries: torch.Tensor, vocabulary: torch.Tensor,
     """(n, |V|) squared L2 distances between query rows and vocabulary rows, clamped at 0."""
     if vocabulary_sq_norms is None:
         vocabulary_sq_norms = vocabulary.pow(2).sum(dim=-1)
-    cross = queries @ vocabulary.T
-    return (queries.pow(2).sum(dim=-1, keepdim=True) - 2 * cross + vocabulary_sq_norms).clamp_min(0)
+    # In place on the one (n, |V|) product, in the order ||x||^2 - 2 x.e + ||e||^2 (the same floats as out of place).
+    return (queries @ vocabulary.T).mul_(-2).add_(queries.pow(2).sum(dim=-1, keepdim=True)).add_(
+        vocabulary_sq_norms).clamp_min_(0)
 
 
 def nearest_neighbours(

@@ -67,11 +67,14 @@ class HardeningSizes:
     probe_interval_s: float = 0.5  # the second caller's pace
     alone_tries: int = 10  # one-text requests with the gateway idle
     chunk_kib: int = 1024  # bytes per chunk of the chunked uploads
+    corpus_texts: int | None = None  # the first texts of the packaged corpus the requests are made of (None: all)
 
     def __post_init__(self) -> None:
         positive = {"upload_mib": self.upload_mib, "inputs": self.inputs, "token_cap": self.token_cap,
                     "issue_tokens": self.issue_tokens, "cap_s": self.cap_s, "alone_tries": self.alone_tries,
                     "probe_interval_s": self.probe_interval_s, "chunk_kib": self.chunk_kib}
+        if self.corpus_texts is not None:
+            positive["corpus_texts"] = self.corpus_texts
         bad = {k: v for k, v in positive.items() if not (v > 0 and math.isfinite(v))}
         if bad or not self.gateway_mib or min(self.gateway_mib) < 1:
             raise ValueError(f"sizes must be > 0, got {bad or {'gateway_mib': self.gateway_mib}}")
@@ -607,7 +610,7 @@ def run_hardening(run: HardeningRun) -> list[Path]:
         "load_average_at_start": [round(x, 2) for x in load_start],  # 1, 5 and 15 minutes
         "fresh_services_for_finding_7": run.fresh_services}
     split_model = SplitModel.from_pretrained(run.model, device="cpu")
-    corpus = _ascii_corpus()
+    corpus = _ascii_corpus()[: sizes.corpus_texts]  # legal_texts tokenizes every distinct word of it
     issue = " (the issue's request)" if (sizes.inputs, sizes.issue_tokens) == (2048, 515_253) else ""
     shapes = [("max_size_legal", sizes.token_cap - 1,
                f"{sizes.inputs} inputs, {sizes.token_cap - 1:,} tokens (the cap of {sizes.token_cap:,} less one)"),
