@@ -62,8 +62,10 @@ def check_choice(name: str, value: object, choices: tuple[Choice, ...]) -> Choic
     return value  # narrowed to Choice by the membership test
 
 
-def check_float_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int = 1) -> torch.Tensor:
-    """Check that ``value`` is a non-empty, finite, floating-point tensor of the expected rank."""
+def check_float_tensor(name: str, value: object, *, ndim: int | None = None, min_ndim: int = 1,
+                       allow_minus_inf: bool = False) -> torch.Tensor:
+    """Check that ``value`` is a non-empty, finite (or -inf, where allowed), floating-point tensor of the expected
+    rank."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not value.is_floating_point():
@@ -74,8 +76,8 @@ def check_float_tensor(name: str, value: object, *, ndim: int | None = None, min
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
     if value.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(value.shape)}")
-    if not torch.isfinite(value).all():
-        raise ValueError(f"{name} contains NaN or inf")
+    if not (torch.isfinite(value) | (allow_minus_inf & torch.isneginf(value))).all():
+        raise ValueError(f"{name} contains NaN or {'+inf' if allow_minus_inf else 'inf'}")
     return value
 
 

@@ -79,7 +79,8 @@ def test_an_unknown_mechanism_is_refused_and_names_are_taken_once_in_order():
         text_mechanisms(["cape", "nope"])
     assert [m.key for m in text_mechanisms(["santext+", "custext-plus", "cape", "cape"])] == [
         "santext-plus", "custext-plus", "cape"]
-    assert len(text_mechanism_names()) == 9  # the bench's default: every registered mechanism
+    # the bench's default: every registered mechanism but those that rewrite the whole prompt (DP-Prompt)
+    assert CapeSetting().mechanisms == tuple(n for n in text_mechanism_names() if n != "dp-prompt")
 
 
 def test_cli_refuses_an_unknown_mechanism_before_loading_anything():
@@ -92,7 +93,7 @@ def test_cli_refuses_an_unknown_mechanism_before_loading_anything():
 
 def test_every_mechanism_builds_on_the_device_models_vocabulary_and_perturbs(smollm2_lm):
     context = MechanismContext(smollm2_lm, 30.0)
-    for name in text_mechanism_names():
+    for name in CapeSetting().mechanisms:
         perturber = build_mechanism(name, context, epsilon=3.0, generator=make_generator(0))
         assert isinstance(perturber, TextPerturber)
         assert perturber.vocabulary is smollm2_lm.vocabulary

@@ -15,9 +15,10 @@ from privlm.models.text_mechanisms import (
     text_mechanism_names,
     text_mechanisms,
 )
+from tests.models.tiny import tiny_causal_lm
 
-NAMES = ("cape", "cape-distance", "cape-unbucketed", "santext", "santext+", "custext", "custext+", "inferdpt",
-         "text2text")
+NAMES = ("cape", "cape-distance", "cape-unbucketed", "cape-public", "santext", "santext+", "custext", "custext+",
+         "inferdpt", "text2text", "dp-prompt")
 METRIC_DP = {"santext", "santext+", "text2text"}  # scale with the embedding distance: charged in eta-tokens
 
 
@@ -26,7 +27,9 @@ def test_every_mechanism_is_listed_cape_first():
     assert [m.name for m in text_mechanisms()] == list(NAMES)
     assert {m.name: m.unit for m in text_mechanisms()} == {
         name: PrivacyUnit.ETA_TOKEN if name in METRIC_DP else PrivacyUnit.EPSILON for name in NAMES}
-    assert [m.name for m in text_mechanisms() if m.needs_logit_bound] == ["cape", "cape-unbucketed"]
+    assert [m.name for m in text_mechanisms() if m.needs_logit_bound] == ["cape", "cape-unbucketed", "dp-prompt"]
+    assert [m.name for m in text_mechanisms() if m.causal_only] == ["cape-public", "dp-prompt"]
+    assert [m.name for m in text_mechanisms() if m.rewrites] == ["dp-prompt"]
 
 
 def test_a_wrong_name_is_refused_with_the_names_to_choose_from():
@@ -46,9 +49,14 @@ def test_a_name_or_key_already_registered_is_refused(taken):
     assert text_mechanism_names() == before
 
 
-def test_each_mechanism_builds_reports_its_unit_and_charges_its_own_price(tiny_masked_lm, tmp_path):
-    context = MechanismContext(tiny_masked_lm, logit_bound=10.0)
+@pytest.mark.parametrize("kind", ["masked", "causal"])
+def test_each_mechanism_builds_reports_its_unit_and_charges_its_own_price(kind, tiny_masked_lm, tmp_path):
+    context = MechanismContext(tiny_masked_lm if kind == "masked" else tiny_causal_lm(), logit_bound=10.0)
     for mechanism in text_mechanisms():
+        if mechanism.causal_only and kind == "masked":
+            with pytest.raises(ValueError, match="causal"):
+                mechanism.build(context, epsilon=3.0)
+            continue
         ledger = Ledger(tmp_path / f"{mechanism.key}.db", budgets={mechanism.unit: 1e9})
         perturber = mechanism.build(context, epsilon=3.0, generator=make_generator(0), ledger=ledger,
                                     principal="alice")
@@ -56,3 +64,9 @@ def test_each_mechanism_builds_reports_its_unit_and_charges_its_own_price(tiny_m
         report = perturber.perturb("Alice flew to Boston with her sister").report
         assert report.mechanism == mechanism.name and report.accounting["privlm"] > 0
         assert ledger.spent("alice", mechanism.unit) == pytest.approx(report.accounting["privlm"]) == report.spent
+
+
+def test_the_cli_help_names_every_registered_mechanism():
+    from privlm.cli.cape import MECHANISM_NAMES
+
+    assert tuple(MECHANISM_NAMES.split(", ")) == text_mechanism_names()

@@ -25,6 +25,7 @@ from transformers import (
 
 if TYPE_CHECKING:
     from privlm.models import SplitModel
+    from privlm.models.language import LanguageModel
 
 VOCAB = 99
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", ".", ","]
@@ -78,6 +79,22 @@ def tiny_masked_lm_folder(path: Path) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_causal_lm(*, context: int = 64) -> LanguageModel:
+    """A tiny random Llama (SmolLM2's architecture, ``context`` positions) with the WordPiece tokenizer of
+    ``tiny_bert_folder``, whose [CLS] starts a context (a causal device model needs a bos token)."""
+    from privlm.models.language import LanguageModel
+
+    words = WORDS + [f"w{i}" for i in range(VOCAB - len(WORDS))]
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(words)}, bos_token="[CLS]",
+                                  eos_token="[SEP]", model_max_length=context,
+                                  chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    torch.manual_seed(0)  # test-only determinism of the random weights
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                                         tie_word_embeddings=True)).eval()
+    return LanguageModel(model=model, tokenizer=tokenizer, kind="causal", name="tiny-llama")
 
 
 def train_tiny_denoiser(model: SplitModel, out_dir: Path, *, variant: str = "snd", steps: int = 2) -> Path:

@@ -5,6 +5,8 @@ on the device model's candidate vocabulary and in its class's own ledger unit.
     custext, custext+ CUSTEXT and CUSTEXT+ (K = 20 output sets)
     inferdpt          InferDPT's RANTEXT (no fitted epsilon curve)
     text2text         Text2Text: d_chi noise and the nearest candidate; its epsilon is the d_chi level eta
+    dp-prompt         DP-Prompt: a paraphrase by the device model, logits clipped to [-B, B] (Cape's calibrated B);
+                      its epsilon is per generated token, document-level
 
 The papers used GloVe, counter-fitted vectors or ada-002 embeddings; here every one uses the device model's.
 """
@@ -15,6 +17,7 @@ import torch
 
 from privlm.accounting import Ledger
 from privlm.baselines.custext import Custext, CustextPlus
+from privlm.baselines.dp_prompt import DPPrompt
 from privlm.baselines.inferdpt import InferDPT
 from privlm.baselines.santext import SanText, SanTextPlus
 from privlm.baselines.text2text import Text2TextPerturber
@@ -38,3 +41,19 @@ _register("custext", "CUSTEXT", "CUSTEXT: K = 20 output sets, every token pertur
 _register("custext+", "CUSTEXT+", "CUSTEXT+: stopwords and punctuation kept", CustextPlus)
 _register("inferdpt", "InferDPT", "InferDPT's RANTEXT: Laplace radius, exp(eps u / 2) inside it", InferDPT)
 _register("text2text", "Text2Text", "Text2Text: d_chi noise (eta = epsilon), nearest candidate", Text2TextPerturber)
+
+
+def _build_dp_prompt(context: MechanismContext, epsilon: float, generator: torch.Generator | None,
+                     ledger: Ledger | None, principal: str) -> TextPerturber:
+    bound = context.logit_bound
+    value = bound if isinstance(bound, float | int) or bound is None else bound.value
+    if value is None:
+        raise ValueError("dp-prompt clips the logits to [-B, B]: it needs Cape's logit bound B (privlm cape calibrate)")
+    return DPPrompt(context.device_model, epsilon=epsilon, logit_range=(-float(value), float(value)),
+                    generator=generator, ledger=ledger, principal=principal)
+
+
+register_text_mechanism("dp-prompt", _build_dp_prompt, label="DP-Prompt", family="baseline", unit=DPPrompt.unit,
+                        description="DP-Prompt: a paraphrase, each token by the exponential mechanism on logits "
+                                    "clipped to [-B, B] (document-level)", needs_logit_bound=True, causal_only=True,
+                        rewrites=True)

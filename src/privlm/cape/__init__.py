@@ -2,13 +2,16 @@
 
 ``Cape`` perturbs each sensitive token of a prompt on the user's machine; see :mod:`privlm.cape.utility`
 for privlm's definition of the utility and :mod:`privlm.cape.accounting` for the guarantee.
+``PublicContextCape`` (cape-public, :mod:`privlm.cape.public`) reads only the released prefix: exactly epsilon
+per perturbed token.
 """
 
-from privlm.cape import registration  # noqa: F401 (it registers cape, cape-distance and cape-unbucketed by name)
+from privlm.cape import registration  # noqa: F401 (it registers cape, its ablations and cape-public by name)
 from privlm.cape.accounting import GUARANTEE, PairBound
 from privlm.cape.calibration import LogitBound
 from privlm.cape.config import CapeConfig
 from privlm.cape.model import Cape, CapeMechanism, PreparedPrompt
+from privlm.cape.public import PublicContextCape
 from privlm.cape.sampling import CapeBucketizedMechanism
 
 __all__ = [
@@ -20,4 +23,5 @@ __all__ = [
     "LogitBound",
     "PairBound",
     "PreparedPrompt",
+    "PublicContextCape",
 ]

@@ -3,6 +3,7 @@
     cape              Cape: lambda_L = 0.5, lambda_D = 1.0, 50 buckets
     cape-distance     Cape with lambda_L = 0: embedding distance only, no device-model forward pass
     cape-unbucketed   Cape without bucketing: the plain exponential mechanism on the hybrid utility
+    cape-public       privlm's public-context Cape (:mod:`privlm.cape.public`): exactly epsilon per perturbed token
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from privlm.accounting import Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.cape.model import Cape
+from privlm.cape.public import PublicContextCape
 from privlm.models.perturbation import TextPerturber
 from privlm.models.text_mechanisms import Factory, MechanismContext, register_text_mechanism
 
@@ -47,3 +49,15 @@ _register("cape", "Cape", "Cape: lambda_L = 0.5, lambda_D = 1.0, 50 buckets")
 _register("cape-distance", "Cape, distance only", "Cape with lambda_L = 0 (no contextual logits)", lambda_L=0.0)
 _register("cape-unbucketed", "Cape, no buckets", "Cape without bucketing (plain exponential mechanism)",
           n_buckets=None)
+
+
+def _build_public(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
+                  principal: str) -> TextPerturber:
+    return PublicContextCape(context.device_model, epsilon=epsilon, generator=generator, ledger=ledger,
+                             principal=principal)
+
+
+register_text_mechanism("cape-public", _build_public, label="Cape, public context", family="cape",
+                        unit=PublicContextCape.unit,
+                        description="context from the released prefix: exactly epsilon per perturbed token",
+                        causal_only=True)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 # What a chat epsilon is, for every command that takes one (its unit is the mechanism's: they print it).
 EPSILON_HELP = "Epsilon per perturbed token, on the mechanism's own scale."
+# The registry's names (a test keeps them equal), written out so that --help needs no model code loaded.
+MECHANISM_NAMES = ("cape, cape-distance, cape-unbucketed, cape-public, santext, santext+, custext, custext+, inferdpt, "
+                   "text2text, dp-prompt")
 
 def require_logit_bound(mechanism: TextMechanism, logit_bound: Path | None) -> None:
     """Refuse, before any model loads, a mechanism that reads Cape's B when no --logit-bound is given."""
@@ -64,8 +67,7 @@ def cape_perturb(
     text: Annotated[str, typer.Argument(help="The prompt to perturb, or - to read it from standard input (then it "
                                              "shows in neither the process list nor the shell history).")],
     epsilon: Annotated[float, typer.Option(help=EPSILON_HELP)] = 6.0,
-    mechanism: Annotated[str, typer.Option(help="cape, cape-distance, cape-unbucketed, santext, santext+, custext, "
-                                                "custext+, inferdpt or text2text.")] = "cape",
+    mechanism: Annotated[str, typer.Option(help=f"One of: {MECHANISM_NAMES}.")] = "cape",
     logit_bound: Annotated[Path | None, typer.Option(help="Cape's B, from `privlm cape calibrate`.")] = None,
     device_model: Annotated[str, typer.Option(help="smollm2, or a local causal or masked LM folder.")] = "smollm2",
     seed: Annotated[int | None, typer.Option(help="Seed for a reproducible draw (default: OS entropy).")] = None,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from privlm.cli.cape import EPSILON_HELP
+from privlm.cli.cape import EPSILON_HELP, MECHANISM_NAMES
 from privlm.cli.root import app, console
 from privlm.cli.snd import (
     AllowKeylessOption,
@@ -47,8 +47,7 @@ def gateway(
                                      ] = "PRIVLM_CHAT_UPSTREAM_API_KEY",
     epsilon: Annotated[float | None, typer.Option(help=f"Chat: {EPSILON_HELP} The most a request may ask for; it "
                                                        "may ask for less.")] = None,
-    mechanism: Annotated[str, typer.Option(help="Chat: cape, cape-distance, cape-unbucketed, santext, santext+, "
-                                                "custext, custext+, inferdpt or text2text.")] = "cape",
+    mechanism: Annotated[str, typer.Option(help=f"Chat: one of {MECHANISM_NAMES}.")] = "cape",
     logit_bound: Annotated[Path | None, typer.Option(help="Chat: Cape's B, from `privlm cape calibrate`.")] = None,
     device_model: Annotated[str, typer.Option(help="Chat: the local device model (smollm2, or a local folder).")
                             ] = "smollm2",

@@ -14,6 +14,7 @@ from privlm.mechanisms.bucketized import (
 from privlm.mechanisms.clipping import clip_to_norm, clip_with_effective_noise
 from privlm.mechanisms.dchi import DChiLaplace, NoiseSampler, sample_dchi_noise
 from privlm.mechanisms.exponential import (
+    BaseMeasureExponentialMechanism,
     ExponentialMechanism,
     exponential_log_probabilities,
     sample_from_probabilities,
@@ -24,6 +25,7 @@ from privlm.mechanisms.protocol import DiscreteMechanism, Mechanism, OutputKind,
 from privlm.mechanisms.randomness import make_generator
 
 __all__ = [
+    "BaseMeasureExponentialMechanism",
     "Bucketing",
     "BucketizedExponentialMechanism",
     "DChiLaplace",

@@ -4,6 +4,14 @@
 
 is eps-DP when Delta bounds |u(x, y) - u(x', y)| over all y and neighbouring x, x'.
 Utilities are rows of a tensor: shape (..., |V|), one distribution per row.
+
+With a public base measure mu (the same for both inputs: a function of public data only),
+
+    P(y | x) = mu(y) exp(eps * u(x, y) / (2 Delta)) / sum_y' mu(y') exp(eps * u(x, y') / (2 Delta))
+
+is eps-DP under the same condition: ln P(y|x) - ln P(y|x') = eps (u - u') / (2 Delta) + ln(Z'/Z), and each term
+is at most eps / 2 (McSherry & Talwar's mechanism is defined with a base measure). Candidates with mu(y) = 0 are
+never released, for any input.
 """
 
 from __future__ import annotations
@@ -84,6 +92,53 @@ class ExponentialMechanism:
 
     def privacy_bound(self, utility: torch.Tensor, utility_prime: torch.Tensor) -> float:
         """epsilon per row, for neighbouring utility rows (refused otherwise)."""
+        check_neighbours(utility, utility_prime, self.sensitivity)
+        return self.epsilon * rows_of(utility)
+
+    def spend(self, utility: torch.Tensor) -> Spend:
+        return Spend(PrivacyUnit.EPSILON, self.epsilon * rows_of(utility))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class BaseMeasureExponentialMechanism:
+    """The exponential mechanism over a public base measure: P(y | x) proportional to mu(y) exp(eps u / (2 Delta)).
+
+    ``log_base``: ln mu, shape (|V|) or one row per input row (broadcast against the utility rows); -inf excludes a
+    candidate; every row needs at least one finite entry. It must not depend on the private input: the claim,
+    ``epsilon`` per row for utility rows that differ by at most ``sensitivity``, assumes it is public.
+    """
+
+    epsilon: float
+    sensitivity: float = 1.0
+    log_base: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "epsilon", check_positive_finite("epsilon", self.epsilon))
+        object.__setattr__(self, "sensitivity", check_positive_finite("sensitivity", self.sensitivity))
+        check_float_tensor("log_base", self.log_base, allow_minus_inf=True)
+        if bool(torch.isneginf(self.log_base).all(dim=-1).any()):
+            raise ValueError("every row of log_base needs a candidate with a finite log-weight")
+
+    @property
+    def output_kind(self) -> OutputKind:
+        return "discrete"
+
+    def log_probabilities(self, utility: torch.Tensor) -> torch.Tensor:
+        """Exact output log-probabilities (float64), shape of ``utility``."""
+        check_float_tensor("utility", utility)
+        logits = self.log_base.to(torch.float64) + utility.to(torch.float64) * (self.epsilon / (2 * self.sensitivity))
+        return torch.log_softmax(logits, dim=-1)
+
+    def probabilities(self, utility: torch.Tensor) -> torch.Tensor:
+        return self.log_probabilities(utility).exp()
+
+    def sample(self, utility: torch.Tensor, *, num_samples: int | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sampled candidate ids: shape (...) for utility (..., |V|); ``num_samples=n``: (n, ...)."""
+        return sample_from_probabilities(self.probabilities(utility), num_samples=num_samples, generator=generator)
+
+    def privacy_bound(self, utility: torch.Tensor, utility_prime: torch.Tensor) -> float:
+        """epsilon per row, for neighbouring utility rows under the same base measure (refused otherwise)."""
         check_neighbours(utility, utility_prime, self.sensitivity)
         return self.epsilon * rows_of(utility)
 

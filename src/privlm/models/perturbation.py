@@ -26,6 +26,7 @@ class TokenOutcome(StrEnum):
     NON_SENSITIVE = "non-sensitive"  # in the non-sensitive list: released unchanged, costs nothing
     UNKNOWN = "unknown"  # the tokenizer's unknown token: perturbed from the unknown token's row
     KEPT = "kept"  # released unchanged by the mechanism's own rule (SANTEXT+: a frequent word kept)
+    REWRITTEN = "rewritten"  # the whole prompt was rewritten (DP-Prompt's paraphrase): no released token of its own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,8 +36,8 @@ class TokenRecord:
     position: int
     original: str  # the prompt's text of this token (its character span)
     original_id: int
-    released: str  # the released token's own text
-    released_id: int
+    released: str  # the released token's own text ("" when rewritten)
+    released_id: int  # -1 when rewritten
     outcome: TokenOutcome
     epsilon: float | None = None  # the mechanism's epsilon for this token (None when not perturbed)
     eps_prime: float | None = None  # Cape: the paper's realised eps' = ln(max_b |b| / min_b |b|)
@@ -71,8 +72,8 @@ class PromptReport:
 
     @property
     def n_perturbed(self) -> int:
-        """Tokens that went through the mechanism (unknown tokens included)."""
-        return self.count(TokenOutcome.PERTURBED) + self.count(TokenOutcome.UNKNOWN)
+        """Tokens that went through the mechanism (unknown and rewritten tokens included)."""
+        return sum(self.count(o) for o in (TokenOutcome.PERTURBED, TokenOutcome.UNKNOWN, TokenOutcome.REWRITTEN))
 
     @property
     def n_changed(self) -> int:
@@ -135,7 +136,8 @@ def token_records(prompt: PromptTokens, vocabulary: CandidateVocabulary, release
     if not (len(released_ids) == len(outcomes) == n):
         raise ValueError(f"need one released id and one outcome per token ({n}), got {len(released_ids)} "
                          f"and {len(outcomes)}")
-    texts = vocabulary.token_texts(list(released_ids))
+    known = iter(vocabulary.token_texts([i for i in released_ids if i >= 0]))
+    texts = [next(known) if i >= 0 else "" for i in released_ids]  # -1: rewritten, no token of its own
     def column(values: Sequence[object] | None, i: int) -> object:
         return None if values is None else values[i]
     records = []

@@ -68,7 +68,9 @@ class TextMechanism:
 
     ``name`` is the registry name ("santext+"); ``key`` the same with "+" spelled "-plus", usable as a
     benchmark method key. ``unit`` is the ledger unit its releases are charged in (the perturber's own);
-    ``options`` the keyword arguments its factory passes on; ``needs_logit_bound``: it reads B.
+    ``options`` the keyword arguments its factory passes on; ``needs_logit_bound``: it reads B; ``causal_only``: it
+    needs a causal device model (it refuses a masked one); ``rewrites``: it rewrites the whole prompt, so no
+    released token stands for an original one (DP-Prompt: token-level attacks do not apply).
     """
 
     name: str
@@ -79,6 +81,8 @@ class TextMechanism:
     factory: Factory = field(compare=False)
     options: Mapping[str, object] = field(default_factory=dict, compare=False)
     needs_logit_bound: bool = False
+    causal_only: bool = False
+    rewrites: bool = False
 
     @property
     def key(self) -> str:
@@ -95,10 +99,11 @@ _REGISTRY: dict[str, TextMechanism] = {}
 
 def register_text_mechanism(name: str, factory: Factory, *, label: str, family: Family, unit: PrivacyUnit,
                             description: str, options: Mapping[str, object] | None = None,
-                            needs_logit_bound: bool = False) -> TextMechanism:
+                            needs_logit_bound: bool = False, causal_only: bool = False,
+                            rewrites: bool = False) -> TextMechanism:
     """Make ``name`` buildable by name. A name (or its key) already taken is refused."""
     mechanism = TextMechanism(name, label, family, PrivacyUnit(unit), description, factory, dict(options or {}),
-                              needs_logit_bound)
+                              needs_logit_bound, causal_only, rewrites)
     taken = {n for m in _REGISTRY.values() for n in (m.name, m.key)}
     if name in taken or mechanism.key in taken:
         raise ValueError(f"a text mechanism named {name!r} is already registered")

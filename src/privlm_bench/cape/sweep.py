@@ -61,7 +61,7 @@ from privlm.models import SplitModel
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PerturbedPrompt, TextPerturber, TokenOutcome
 from privlm.models.prompts import NonSensitiveTokens, tokenize_prompt
-from privlm.models.text_mechanisms import MechanismContext, TextMechanism, text_mechanism_names, text_mechanisms
+from privlm.models.text_mechanisms import MechanismContext, TextMechanism, text_mechanisms
 from privlm_bench.data import named_task, split_dataset
 from privlm_bench.harness.bench import NON_PRIVATE, Method, Point, Sweep
 from privlm_bench.harness.probes import Probe, classification_metrics, embedding_agreement
@@ -82,7 +82,8 @@ def method_of(mechanism: TextMechanism) -> Method:
     return Method(mechanism.key, mechanism.label)
 
 
-METHODS = (*(method_of(m) for m in text_mechanisms()), CAPE_INT8)
+TOKEN_LEVEL = tuple(m for m in text_mechanisms() if not m.rewrites)  # DP-Prompt's paraphrase: privlm bench chat-quality
+METHODS = (*(method_of(m) for m in TOKEN_LEVEL), CAPE_INT8)
 
 
 @dataclass(kw_only=True)
@@ -90,7 +91,7 @@ class CapeSetting:
     """Everything the sweep records in ``results.json``."""
 
     task: str = "tweets-binary"
-    mechanisms: tuple[str, ...] = field(default_factory=text_mechanism_names)
+    mechanisms: tuple[str, ...] = field(default_factory=lambda: tuple(m.name for m in TOKEN_LEVEL))
     epsilons: tuple[float, ...] = DEFAULT_EPSILONS
     n_train: int = 2000
     n_validation: int = 500

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from privlm.cli.cape import MECHANISM_NAMES
 from privlm.cli.root import console, parse_levels, parse_list
 from privlm_bench.cli.app import bench_app, registered_sweep
 
@@ -16,9 +17,8 @@ def bench_cape(
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/cape"),
     epsilons: Annotated[str, typer.Option(help="Comma-separated epsilons (each mechanism's own scale).")
                         ] = "1,2,3,6,10,14,20",
-    mechanisms: Annotated[str, typer.Option(help="Comma-separated mechanisms: cape, cape-distance, cape-unbucketed, "
-                                                 "santext, santext+, custext, custext+, inferdpt, text2text; "
-                                                 "empty: all.")] = "",
+    mechanisms: Annotated[str, typer.Option(help=f"Comma-separated mechanisms of: {MECHANISM_NAMES}; empty: all."
+                                            )] = "",
     n_train: Annotated[int, typer.Option(help="Training texts of the clean classifier.")] = 2000,
     n_validation: Annotated[int, typer.Option(help="Validation texts (its regularisation).")] = 500,
     n_test: Annotated[int, typer.Option(help="Test texts perturbed at every point.")] = 500,

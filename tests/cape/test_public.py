@@ -1,0 +1,194 @@
+"""cape-public against the math: the decode's distributions, the exact per-position and whole-release losses, the
+sampler (chi-square), the auditor through the mechanism protocol, and the ledger charged n x eps before any draw.
+
+The fast tests run on a tiny random Llama (tests/models/tiny.py); the exactness tests on SmolLM2 with the real
+pair of neighbouring prompts of tests/cape/conftest.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from privlm.accounting import BudgetExhaustedError, Ledger
+from privlm.attacks import audit_mechanism
+from privlm.cape.public import PublicContextCape, public_base
+from privlm.cape.utility import Query, device_logits
+from privlm.mechanisms import BaseMeasureExponentialMechanism, PrivacyUnit, exact_privacy_loss, make_generator
+from privlm.models.perturbation import TokenOutcome
+from privlm.models.text_mechanisms import MechanismContext, build_mechanism
+from tests.cape.conftest import NEIGHBOUR, PROMPT
+from tests.conftest import assert_draws_follow
+from tests.models.tiny import tiny_causal_lm
+
+TEXTS = ["the cat sat on the mat", "a dog w5 w6 w7 . the cat", "w1 w2", "the . on", " ".join(["w9"] * 70)]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> PublicContextCape:
+    return PublicContextCape(tiny_causal_lm(), epsilon=2.0, generator=make_generator(0))
+
+
+class Recording(PublicContextCape):
+    """Keeps the logits every decode step gave the mechanism."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.seen: list[torch.Tensor] = []
+
+    def mechanism(self, logits: torch.Tensor) -> BaseMeasureExponentialMechanism:
+        self.seen.append(logits.clone())
+        return super().mechanism(logits)
+
+
+def test_the_batched_decode_reads_exactly_the_released_prefix():
+    """Every decode step's logits (KV cache, rows padded on the left, prompts of several lengths, a prompt in two
+    chunks) are the logits of one forward pass over [bos] + that row's released prefix."""
+    cape = Recording(tiny_causal_lm(), epsilon=2.0, batch_size=8, generator=make_generator(1))
+    released = cape.perturb_batch(TEXTS)
+    per_step = cape.seen
+    room = cape.room
+    rows = []  # (prompt, chunk offset, local positions, released ids of the chunk), in the decode's row order
+    for text, out in zip(TEXTS, released, strict=True):
+        prompt, ids = cape.tokenize(text), [t.released_id for t in out.report.tokens]
+        for offset in range(0, len(prompt), room):
+            local = [i - offset for i in prompt.sensitive_positions if offset <= i < offset + room]
+            rows.append((local, ids[offset:offset + room]))
+    for row, (local, ids) in enumerate(rows):
+        if not local:
+            continue
+        expected = device_logits(cape.device_model, [Query(ids=tuple(ids), positions=tuple(local))])
+        active_at = [[j for j, (p, _) in enumerate(rows) if step < len(p)] for step in range(len(local))]
+        got = torch.stack([per_step[step][active_at[step].index(row)] for step in range(len(local))])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_every_token_is_reported_and_the_spend_is_exactly_n_times_epsilon(tiny):
+    for text, out in zip(TEXTS, tiny.perturb_batch(TEXTS), strict=True):
+        prompt, report = tiny.tokenize(text), out.report
+        assert [t.original_id for t in report.tokens] == list(prompt.ids)  # no token dropped or added
+        for token, kept in zip(report.tokens, prompt.non_sensitive, strict=True):
+            assert token.outcome is (TokenOutcome.NON_SENSITIVE if kept else TokenOutcome.PERTURBED)
+            assert (token.released_id == token.original_id) if kept else token.epsilon == 2.0
+        n = len(prompt.sensitive_positions)
+        assert report.n_perturbed == n and report.accounting == {"privlm": n * 2.0}
+        assert report.spent is None  # no ledger
+        assert report.chunks == math.ceil(len(prompt) / tiny.room)
+        assert out.text == tiny.vocabulary.tokenizer.decode([t.released_id for t in report.tokens],
+                                                            clean_up_tokenization_spaces=False)
+
+
+def test_the_ledger_is_charged_n_times_epsilon_before_any_draw(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 20.0})
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=2.0, ledger=ledger, principal="alice")
+    calls: list[float] = []
+    forward = cape.device_model.model.forward
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(ledger.spent("alice", PrivacyUnit.EPSILON))
+        return forward(*args, **kwargs)
+
+    cape.device_model.model.forward = spy  # type: ignore[method-assign]
+    out = cape.perturb_batch(["the cat sat on the mat", "a dog w5"])  # 3 + 2 perturbed tokens
+    assert [o.report.spent for o in out] == [6.0, 4.0]
+    assert calls and set(calls) == {10.0}  # charged whole before the first decode step
+    with pytest.raises(BudgetExhaustedError):
+        cape.perturb_batch(["w1 w2 w3 w4 w5 w6"])  # 12 > the 10 left: refused whole, nothing drawn
+    assert len(calls) == 3 and ledger.spent("alice", PrivacyUnit.EPSILON) == 10.0
+    assert cape.perturb_batch(["the . on"])[0].report.spent is None  # nothing sensitive: nothing charged
+
+
+def test_a_masked_device_model_is_refused(tiny_masked_lm):
+    with pytest.raises(ValueError, match="masked LM cannot do"):
+        PublicContextCape(tiny_masked_lm, epsilon=1.0)
+
+
+@pytest.mark.parametrize("bad", [{"epsilon": 0.0}, {"epsilon": math.inf}, {"tau": -1.0}, {"top_p": 0.0},
+                                 {"top_p": 1.5}, {"batch_size": 0}])
+def test_bad_settings_are_refused(bad):
+    settings = {"epsilon": 1.0, **bad}
+    with pytest.raises(ValueError):
+        PublicContextCape(tiny_causal_lm(), **settings)
+
+
+def test_the_base_measure_is_tau_log_pi_on_the_top_p_set():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    pi = torch.softmax(logits.double(), dim=-1)
+    full = public_base(logits, tau=0.5, top_p=1.0)
+    torch.testing.assert_close(full, 0.5 * pi.log())
+    cut = public_base(logits, tau=1.0, top_p=0.7)  # pi = .64, .24, .09, .03: the first two reach 0.7
+    assert torch.isneginf(cut[0, 2:]).all() and torch.isfinite(cut[0, :2]).all()
+    assert torch.isfinite(public_base(logits, tau=1.0, top_p=0.5)[0]).sum() == 1  # at least the top one
+    torch.testing.assert_close(public_base(logits, tau=0.0, top_p=1.0), torch.zeros(1, 4, dtype=torch.float64))
+
+
+def test_the_sampler_follows_the_exact_law_at_the_first_and_the_second_position():
+    """Chi-square at p = 1e-6 on 10,000 releases of a two-token prompt: the first token against its exact law
+    given [bos]; the second, among releases whose first token was the most frequent one, against its exact law
+    given that first token."""
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, generator=make_generator(2), batch_size=4096)
+    text = "w1 w2"
+    releases = torch.tensor([[t.released_id for t in out.report.tokens]
+                             for out in cape.perturb_batch([text] * 10_000)])
+    index = cape.vocabulary.candidate_index
+    first, second = index[releases[:, 0]], index[releases[:, 1]]
+    _, law = cape.position_log_probabilities(text, releases[0].tolist())
+    assert_draws_follow(first, law[0].exp())
+    top = int(torch.mode(releases[:, 0]).values)
+    _, given_top = cape.position_log_probabilities(text, [top, 0])
+    assert_draws_follow(second[releases[:, 0] == top], given_top[1].exp())
+
+
+# --- SmolLM2: the exact losses of real neighbouring prompts -------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_public(smollm2_lm) -> PublicContextCape:
+    return PublicContextCape(smollm2_lm, epsilon=8.0, tau=0.5, top_p=0.9, generator=make_generator(3))
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 4.0, 16.0])
+@pytest.mark.parametrize(("tau", "top_p"), [(1.0, 1.0), (0.5, 0.95)])
+def test_exact_loss_per_position_and_of_the_release_given_a_shared_prefix(smollm2_lm, epsilon, tau, top_p):
+    """For a release r of PROMPT: at every perturbed position, max_y |ln P(y | x_i, r_<i) / P(y | x'_i, r_<i)| <= eps
+    (NEIGHBOUR differs in one name); the whole release's exact loss is at most the sum, n eps, and the ledger's
+    total is n eps."""
+    cape = PublicContextCape(smollm2_lm, epsilon=epsilon, tau=tau, top_p=top_p, generator=make_generator(4))
+    out = cape.perturb(PROMPT)
+    released = [t.released_id for t in out.report.tokens]
+    positions, law = cape.position_log_probabilities(PROMPT, released)
+    positions_prime, law_prime = cape.position_log_probabilities(NEIGHBOUR, released)
+    assert positions == positions_prime and len(positions) == out.report.n_perturbed
+    per_position = exact_privacy_loss(law, law_prime)
+    assert (per_position <= epsilon + 1e-9).all()
+    changed = [j for j, i in enumerate(positions) if cape.tokenize(PROMPT).ids[i] != cape.tokenize(NEIGHBOUR).ids[i]]
+    assert len(changed) == 1 and per_position[changed[0]] > 0  # the name's position loses something
+    assert (per_position[[j for j in range(len(positions)) if j != changed[0]]] == 0).all()  # no other does
+    drawn = cape.vocabulary.candidate_index[torch.tensor([released[i] for i in positions])]
+    whole = (law.gather(1, drawn[:, None]) - law_prime.gather(1, drawn[:, None])).sum().abs().item()
+    assert whole <= float(per_position.sum()) + 1e-9 <= len(positions) * epsilon + 1e-9
+    assert out.report.accounting["privlm"] == len(positions) * epsilon
+
+
+def test_the_auditor_through_the_mechanism_protocol(smol_public):
+    """The mechanism at the name's position, given a real released prefix, audited on the two names' similarity
+    rows: the audit's lower bound stays below eps, and finds real loss."""
+    prompt, neighbour = smol_public.tokenize(PROMPT), smol_public.tokenize(NEIGHBOUR)
+    at = next(i for i in prompt.sensitive_positions if prompt.ids[i] != neighbour.ids[i])
+    prefix = smol_public.perturb(PROMPT).report.tokens[:at]
+    logits = device_logits(smol_public.device_model,
+                           [Query(ids=(*[t.released_id for t in prefix], 0), positions=(at,))])
+    mechanism = smol_public.mechanism(logits[0])
+    s, s_prime = smol_public.similarity([prompt.ids[at], neighbour.ids[at]])
+    result = audit_mechanism(mechanism, s, s_prime, n_samples=200_000, generator=make_generator(5))
+    assert result.claimed_epsilon == 8.0
+    assert result.exact_epsilon <= 8.0 + 1e-9
+    assert 0 < result.eps_lower <= result.exact_epsilon
+
+
+def test_registered_by_name_and_built_on_the_shared_context(smollm2_lm):
+    perturber = build_mechanism("cape-public", MechanismContext(smollm2_lm), epsilon=2.0, generator=make_generator(6))
+    assert isinstance(perturber, PublicContextCape) and perturber.unit is PrivacyUnit.EPSILON
+    out = perturber.perturb("My name is Alice Smith and I live in Boston.")
+    assert out.report.mechanism == "cape-public"
+    assert out.report.accounting["privlm"] == 2.0 * out.report.n_perturbed
