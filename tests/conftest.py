@@ -83,7 +83,8 @@ def generator() -> torch.Generator:
 
 # -- real packaged models: session-scoped, so each loads once per worker; a test that uses one is marked slow --------
 
-REAL_MODELS = frozenset({"minilm", "smollm2", "smollm2_lm", "chat_model"})
+REAL_MODELS = frozenset({"minilm", "smollm2", "smollm2_lm", "chat_model",
+                         "smollm2_tokenizer"})  # tests/models/test_prompts.py: converts the packaged GGUF
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from privlm.attacks.label_inference import (
     label_inference_from_logit_gradients,
     label_inference_from_representation_gradients,
 )
+from privlm.attacks.llm_reconstruction import Reconstruction, llm_reconstruction, rank_candidates
 from privlm.attacks.masked_token import masked_token_inference
 from privlm.attacks.mutual_information import (
     kozachenko_leonenko_entropy,
@@ -38,6 +39,7 @@ from privlm.attacks.text_metrics import (
 __all__ = [
     "AttackResult",
     "AuditResult",
+    "Reconstruction",
     "ScoreResult",
     "attribute_inference",
     "audit_mechanism",
@@ -52,11 +54,13 @@ __all__ = [
     "label_inference_from_logit_gradients",
     "label_inference_from_representation_gradients",
     "lcs_length",
+    "llm_reconstruction",
     "masked_token_inference",
     "mutual_information",
     "nearest_neighbour_inversion",
     "optimisation_inversion",
     "pool_representations",
+    "rank_candidates",
     "retention_ratio",
     "rouge_l_f1",
     "score_result",

@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from privlm._validation import check_choice, check_positive_int
+from privlm.attacks.llm_reconstruction import rank_candidates
 from privlm.attacks.results import AttackResult, score_result
 from privlm.attacks.text_metrics import rouge_l_f1
 
@@ -144,32 +145,17 @@ def _predict_masked_lm(model: torch.nn.Module, sequence: list[int], positions: l
     return predictions
 
 
-def _sentence_log_likelihood(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """sum_t log p(s_t | s_<t) for each row s (the first token is the given context)."""
-    logits = model(input_ids=rows, attention_mask=torch.ones_like(rows)).logits[:, :-1].float()
-    return logits.log_softmax(dim=-1).gather(-1, rows[:, 1:].unsqueeze(-1)).squeeze(-1).sum(dim=-1)
-
-
-@torch.inference_mode()
 def _predict_causal_stand_in(model: torch.nn.Module, sequence: list[int], positions: list[int], *, start_id: int,
                              special: frozenset[int], top_k: int, max_batch_tokens: int) -> list[int]:
-    """Top-k candidates from the left context, re-ranked by the full-sentence log-likelihood."""
-    device = _device(model)
-    offset = 0 if sequence[0] == start_id else 1
-    base = torch.tensor([start_id] * offset + sequence, device=device)
-    shifted = torch.tensor(positions, device=device) + offset
-    if not offset and 0 in positions:
+    """Top-k candidates from the left context, re-ranked by the full-sentence log-likelihood (the LM reconstruction
+    attack's ranking, :func:`privlm.attacks.llm_reconstruction.rank_candidates`, without the released token)."""
+    starts = sequence[0] == start_id
+    if starts and 0 in positions:
         raise ValueError("attack_mask selects position 0, the context start token, which has no left context")
-    left = _exclude(model(input_ids=base.unsqueeze(0)).logits[0, shifted - 1].float(), special)
-    allowed = int(torch.isfinite(left[0]).sum())
-    candidates = left.topk(min(top_k, allowed), dim=-1).indices  # (m, k), special tokens excluded
-    m, k = candidates.shape
-    rows = base.repeat(m * k, 1)
-    rows[torch.arange(m * k, device=device), shifted.repeat_interleave(k)] = candidates.reshape(-1)
-    rows_per_pass = max(k, max_batch_tokens // base.shape[0])
-    scores = torch.cat([_sentence_log_likelihood(model, part) for part in rows.split(rows_per_pass)])
-    best = scores.reshape(m, k).argmax(dim=-1)
-    return candidates[torch.arange(m, device=device), best].tolist()
+    body, where = (sequence[1:], [p - 1 for p in positions]) if starts else (sequence, positions)
+    ids, _ = rank_candidates(model, body, where, start_id=start_id, excluded=special, shortlist=top_k,
+                             include_released=False, max_batch_tokens=max_batch_tokens)
+    return ids[:, 0].tolist()
 
 
 # --- the attack ---------------------------------------------------------------------------------------

@@ -68,8 +68,9 @@ class IncompleteEncodingError(ServerError):
 
 
 class BaseClient(BaseEncoder):
-    """What both clients share, with no I/O: the checked settings, the bundle's manifest and client half, the
-    encode request, the checks on each answer, and what a call that failed part-way leaves."""
+    """What both clients share, with no I/O of its own: the checked settings, the bundle's manifest and client half,
+    the encode request, the checks on each answer, and what a call that failed part-way leaves. (``fetch_bundle``
+    runs on the blocking HTTP client its subclass hands it.)"""
 
     def __init__(self, *, eta: float, retry_for: float, retries: int | None, backoff: float, dtype: WireDType,
                  wire_format: WireFormat, batch_size: int, max_bundle_bytes: int) -> None:
