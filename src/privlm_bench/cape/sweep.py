@@ -56,6 +56,7 @@ import torch
 import privlm.baselines
 import privlm.cape  # noqa: F401 (Cape's variants register by name)
 from privlm.attacks import AttackResult, masked_token_inference, rouge_l_f1
+from privlm.cape import Cape, PublicContextCape
 from privlm.mechanisms import make_generator, nearest_neighbours
 from privlm.models import SplitModel
 from privlm.models.language import LanguageModel
@@ -277,21 +278,30 @@ class CapeBench:
             if method == CAPE_INT8.key:
                 self._released |= self._cape_group([(method, text_mechanisms(["cape"])[0])],
                                                    self.setting.int8_epsilons, self.int8_context)
-            elif self.mechanisms[method].family == "cape":
-                group = [(k, m) for k, m in self.mechanisms.items() if _same_utility(m, self.mechanisms[method])]
+            elif self._prepares(self.mechanisms[method]):
+                group = [(k, m) for k, m in self.mechanisms.items()
+                         if self._prepares(m) and _same_utility(m, self.mechanisms[method])]
                 self._released |= self._cape_group(group, self.setting.epsilons, self.context)
             else:
                 return self._release_baseline(self.mechanisms[method], epsilon)
         return self._released.pop(key)
+
+    def _prepares(self, mechanism: TextMechanism) -> bool:
+        """A Cape whose utility rows are prepared once for every epsilon (cape-public draws as it decodes)."""
+        return isinstance(mechanism.build(self.context, epsilon=1.0), Cape)
 
     def _release_baseline(self, mechanism: TextMechanism, epsilon: float) -> Released:
         perturber = mechanism.build(self.context, epsilon=epsilon, generator=self.generator(mechanism.key, epsilon))
         started = time.perf_counter()  # setup is timed on its own (speed.json)
         prompts = perturber.perturb_batch(self.texts["test"])
         seconds = time.perf_counter() - started
-        sampler = _position_sampler(perturber)
         nw_generator = self.generator(mechanism.key, epsilon, "nw")
-        nw = [_distinct(sampler(torch.tensor([self.prompts[i].ids[j]]), nw_generator)) for i, j in self.nw_sites]
+        if isinstance(perturber, PublicContextCape):  # its law at a position depends on the released prefix
+            nw = [_distinct(_public_draws(perturber, self.texts["test"][i], prompts[i], j, nw_generator))
+                  for i, j in self.nw_sites]
+        else:
+            sampler = _position_sampler(perturber)
+            nw = [_distinct(sampler(torch.tensor([self.prompts[i].ids[j]]), nw_generator)) for i, j in self.nw_sites]
         return Released(prompts, nw, seconds)
 
     def _cape_group(self, group: Sequence[tuple[str, TextMechanism]], epsilons: Sequence[float],
@@ -400,6 +410,13 @@ def _position_sampler(perturber: TextPerturber) -> Callable[[torch.Tensor, torch
         raise ValueError(f"{perturber.name} exposes no per-position mechanism (.mechanism.sample) for N_w")
     return lambda ids, generator: mechanism.sample(ids.to(perturber.vocabulary.device), num_samples=NW_SAMPLES,
                                                    generator=generator)
+
+
+def _public_draws(perturber: PublicContextCape, text: str, released: PerturbedPrompt, position: int,
+                  generator: torch.Generator) -> torch.Tensor:
+    """NW_SAMPLES draws of cape-public at ``position`` given the prefix its release of ``text`` put before it."""
+    positions, law = perturber.position_log_probabilities(text, [t.released_id for t in released.report.tokens])
+    return torch.multinomial(law[positions.index(position)].exp(), NW_SAMPLES, replacement=True, generator=generator)
 
 
 def _distinct(draws: torch.Tensor) -> int:
