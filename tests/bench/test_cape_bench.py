@@ -179,7 +179,8 @@ def test_the_tiny_run_writes_one_row_per_point_with_provenance(tiny_run):
 def test_the_tiny_run_writes_claims_and_plots(tiny_run):
     _, out, _, files = tiny_run
     claims = (out / "claims.md").read_text()
-    assert "**Cape's trade-off dominates SANTEXT and InferDPT at equal KNN attack success: not measured**" in claims
+    assert ("**Cape's trade-off dominates SANTEXT, InferDPT and CUSTEXT+ at equal KNN attack success (the paper "
+            "compares SANTEXT and InferDPT only): not measured**") in claims
     assert "## (c) Bucketing" in claims and "**bucketing helps: " in claims
     assert "| Toy keep-or-uniform | " in claims and "int8 device model" in claims
     for name in ("utility_vs_attack.png", "utility_vs_epsilon.png", "privacy_vs_epsilon.png",
@@ -252,11 +253,15 @@ def test_auc_standard_error_is_hanley_and_mcneils():
     assert math.isnan(auc_standard_error(0.7, 0, 10))
 
 
-def test_claim_a_holds_only_when_cape_beats_both_baselines():
-    holds = claims_report([*CLEAN, *CAPE, *_curve("santext", LOWER), *_curve("inferdpt", LOWER)], {}, META)
-    assert ("**Cape's trade-off dominates SANTEXT and InferDPT at equal KNN attack success: holds**" in holds)
-    fails = claims_report([*CLEAN, *CAPE, *_curve("santext", LOWER), *_curve("inferdpt", HIGHER)], {}, META)
-    assert "dominates SANTEXT and InferDPT at equal KNN attack success: does not hold**" in fails
+def test_claim_a_holds_only_when_cape_beats_all_three_baselines():
+    lower = [*_curve("santext", LOWER), *_curve("inferdpt", LOWER)]
+    holds = claims_report([*CLEAN, *CAPE, *lower, *_curve("custext-plus", LOWER)], {}, META)
+    assert "(the paper compares SANTEXT and InferDPT only): holds**" in holds
+    partly = claims_report([*CLEAN, *CAPE, *lower], {}, META)  # CUSTEXT+ not in the run
+    assert "(the paper compares SANTEXT and InferDPT only): partly measured**" in partly
+    fails = claims_report([*CLEAN, *CAPE, *_curve("santext", LOWER), *_curve("inferdpt", HIGHER),
+                           *_curve("custext-plus", LOWER)], {}, META)
+    assert "(the paper compares SANTEXT and InferDPT only): does not hold**" in fails
     assert "- Cape vs InferDPT on classifier_auc: **does not hold** at 9 attack levels" in fails
     assert "Why: Cape has the lower utility at attack success 0.100" in fails
 
