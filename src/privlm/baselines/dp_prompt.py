@@ -29,7 +29,14 @@ from privlm.mechanisms.randomness import resolve_generator
 from privlm.models import check_texts
 from privlm.models.chat import ChatModel
 from privlm.models.language import LanguageModel
-from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, charge_prompts, token_records
+from privlm.models.perturbation import (
+    PerturbedPrompt,
+    PromptReport,
+    TokenOutcome,
+    charge_prompts,
+    perturb_one,
+    token_records,
+)
 from privlm.models.prompts import tokenize_prompt
 from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
@@ -82,9 +89,7 @@ class DPPrompt:
         return math.ceil(self.length_ratio * n_tokens) + 4
 
     def perturb(self, text: str) -> PerturbedPrompt:
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("text must be a non-empty, non-blank string")
-        return self.perturb_batch([text])[0]
+        return perturb_one(self, text)
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
         check_texts(texts)

@@ -63,6 +63,7 @@ from privlm.models.perturbation import (
     PromptReport,
     TokenOutcome,
     charge_prompts,
+    perturb_one,
     released_text,
     token_records,
 )
@@ -228,9 +229,7 @@ class Cape:
 
     # --- release ------------------------------------------------------------------------------
     def perturb(self, text: str) -> PerturbedPrompt:
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("text must be a non-empty, non-blank string")
-        return self.perturb_batch([text])[0]
+        return perturb_one(self, text)
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
         return self.release(self.prepare(texts))

@@ -49,6 +49,7 @@ from privlm.models.perturbation import (
     PromptReport,
     TokenOutcome,
     charge_prompts,
+    perturb_one,
     released_text,
     token_records,
 )
@@ -143,9 +144,7 @@ class PublicContextCape:
 
     # --- release ------------------------------------------------------------------------------
     def perturb(self, text: str) -> PerturbedPrompt:
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("text must be a non-empty, non-blank string")
-        return self.perturb_batch([text])[0]
+        return perturb_one(self, text)
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
         """Charge every prompt (perturbed tokens) x epsilon in one transaction, then release them all."""

@@ -100,47 +100,28 @@ class ExponentialMechanism:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class BaseMeasureExponentialMechanism:
+class BaseMeasureExponentialMechanism(ExponentialMechanism):
     """The exponential mechanism over a public base measure: P(y | x) proportional to mu(y) exp(eps u / (2 Delta)).
 
     ``log_base``: ln mu, shape (|V|) or one row per input row (broadcast against the utility rows); -inf excludes a
-    candidate; every row needs at least one finite entry. It must not depend on the private input: the claim,
-    ``epsilon`` per row for utility rows that differ by at most ``sensitivity``, assumes it is public.
+    candidate; every row needs at least one finite entry. It must not depend on the private input: the claim
+    (:class:`ExponentialMechanism`'s: ``epsilon`` per row for utility rows that differ by at most ``sensitivity``)
+    assumes it is public. Sampling, the claim and the spend are the plain mechanism's.
     """
 
-    epsilon: float
-    sensitivity: float = 1.0
     log_base: torch.Tensor
+    # Compared by identity: a tensor field has no single truth value (the parent compares epsilon and sensitivity).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", check_positive_finite("epsilon", self.epsilon))
-        object.__setattr__(self, "sensitivity", check_positive_finite("sensitivity", self.sensitivity))
+        super().__post_init__()
         check_float_tensor("log_base", self.log_base, allow_minus_inf=True)
         if bool(torch.isneginf(self.log_base).all(dim=-1).any()):
             raise ValueError("every row of log_base needs a candidate with a finite log-weight")
-
-    @property
-    def output_kind(self) -> OutputKind:
-        return "discrete"
 
     def log_probabilities(self, utility: torch.Tensor) -> torch.Tensor:
         """Exact output log-probabilities (float64), shape of ``utility``."""
         check_float_tensor("utility", utility)
         logits = self.log_base.to(torch.float64) + utility.to(torch.float64) * (self.epsilon / (2 * self.sensitivity))
         return torch.log_softmax(logits, dim=-1)
-
-    def probabilities(self, utility: torch.Tensor) -> torch.Tensor:
-        return self.log_probabilities(utility).exp()
-
-    def sample(self, utility: torch.Tensor, *, num_samples: int | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sampled candidate ids: shape (...) for utility (..., |V|); ``num_samples=n``: (n, ...)."""
-        return sample_from_probabilities(self.probabilities(utility), num_samples=num_samples, generator=generator)
-
-    def privacy_bound(self, utility: torch.Tensor, utility_prime: torch.Tensor) -> float:
-        """epsilon per row, for neighbouring utility rows under the same base measure (refused otherwise)."""
-        check_neighbours(utility, utility_prime, self.sensitivity)
-        return self.epsilon * rows_of(utility)
-
-    def spend(self, utility: torch.Tensor) -> Spend:
-        return Spend(PrivacyUnit.EPSILON, self.epsilon * rows_of(utility))

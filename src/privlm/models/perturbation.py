@@ -110,6 +110,13 @@ class TextPerturber(Protocol):
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]: ...
 
 
+def perturb_one(perturber: TextPerturber, text: str) -> PerturbedPrompt:
+    """One prompt through ``perturber``'s batch path; a non-string or blank text is refused first."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("text must be a non-empty, non-blank string")
+    return perturber.perturb_batch([text])[0]
+
+
 def charge_prompts(ledger: Ledger | None, principal: str, unit: PrivacyUnit, totals: Sequence[float], *,
                    note: str) -> list[float | None]:
     """Charge every prompt's total (its report's "privlm" accounting) in one ledger transaction, before anything is
