@@ -1,8 +1,10 @@
+import re
+
 import pytest
 from typer.testing import CliRunner
 
 from privlm.cli import app
-from privlm.demo import inversion_at
+from privlm.demo import CHAT_EPSILON, CHAT_MECHANISM, inversion_at
 from privlm.mechanisms import make_generator
 
 runner = CliRunner()
@@ -51,6 +53,12 @@ def test_demo_runs_without_anything_from_the_dev_extra(tmp_path):
     assert "NN inversion" in result.stdout and "Cape: a private prompt" in result.stdout
     assert "sent to the chat API" in result.stdout and "spent for this prompt" in result.stdout
     assert "OpenAI-format request -> gateway -> private round trip" in result.stdout
+    # The chat step (the bench kit is installed here): the prompt as released, the answer, the spend.
+    assert f"released ({CHAT_MECHANISM};" in result.stdout and "answer (to the released prompt" in result.stdout
+    spent = re.search(r"spent: (\S+) (?:=|for) (\d+) perturbed tokens \(of (\d+)\)", result.stdout)
+    assert spent is not None and float(spent[1]) > 0 and 0 < int(spent[2]) <= int(spent[3])
+    if CHAT_MECHANISM in ("cape-public", "custext+"):  # exactly epsilon per perturbed token
+        assert float(spent[1]) == pytest.approx(int(spent[2]) * CHAT_EPSILON)
     assert "SAP: private fine-tuning" in result.stdout and "private prediction for" in result.stdout
 
 

@@ -10,7 +10,9 @@
 6. Private chat through the same gateway (printed as step 5: steps 1 and 2 share one heading): a prompt
    with personal details sent with the ``openai`` client (plain httpx where ``openai`` is not installed: the
    demo needs nothing from the dev extra) to ``privlm serve-llm``, a local SmolLM2 chat server from the bench
-   kit (without it, this step says how to install it); what the upstream received, the report and its answer.
+   kit (without it, this step says how to install it). The gateway perturbs it with :data:`CHAT_MECHANISM` at
+   :data:`CHAT_EPSILON`, the best private point of ``privlm bench chat-quality`` (benchmarks/chat-quality); the
+   step prints the prompt as released, the upstream's answer, and the spend.
 7. SAP (printed as step 6): ``privlm sap vendor`` on localhost; a customer fine-tunes LoRA through it on 48
    tweets for one epoch, keeping texts, labels and the head, then asks for one private prediction.
 
@@ -24,7 +26,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -43,7 +45,7 @@ from privlm.service.process import free_port, launch_privlm, stop, wait_healthy
 
 SENTENCE = "Alice Smith was diagnosed with diabetes in Boston last spring."
 PROMPT = "My name is Alice Smith, I live in Boston and my doctor says I have diabetes."
-CAPE_EPSILON = 6.0
+CAPE_EPSILON = 6.0  # step 2's Cape
 # Public sample prompts for the logit bound: never the prompts being protected.
 CALIBRATION_PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
                        "Summarise this report in three sentences.", "How do I bake bread at home?",
@@ -55,11 +57,12 @@ SND_ETA = 50.0
 CHAT_PROMPT = ("I am Maria Gonzalez, 34, from Seattle. My doctor says my asthma is getting worse. "
                "What should I ask her at my next appointment?")
 CHAT_MAX_TOKENS = 48
+# Step 5: the best private point of `privlm bench chat-quality` (the highest answer similarity among the points that
+# keep personal spans verbatim at most 5% of the time; benchmarks/chat-quality/results.md).
+CHAT_MECHANISM = "custext+"
+CHAT_EPSILON = 2.0  # per perturbed token
 SAP_TWEETS, SAP_ETA = 64, 75.0
 SAP_QUESTION = "the crew lost my bag and nobody answered"
-
-if TYPE_CHECKING:
-    from privlm.cape import LogitBound
 
 
 @dataclass
@@ -93,8 +96,8 @@ def inversion_at(model: SplitModel, sentence: str, eta: float, generator: torch.
                         success_rate=success, cosine_to_clean=cosine)
 
 
-def cape_section(console: Console, generator: torch.Generator) -> LogitBound:
-    """One prompt before and after Cape on the packaged SmolLM2, with its per-token report; B for the gateway."""
+def cape_section(console: Console, generator: torch.Generator) -> None:
+    """One prompt before and after Cape on the packaged SmolLM2, with its per-token report."""
     from privlm.cape import Cape
 
     console.print(f"[bold]2. Cape: a private prompt[/bold]  prompt: {PROMPT!r}")
@@ -119,7 +122,6 @@ def cape_section(console: Console, generator: torch.Generator) -> LogitBound:
                   f"ln |C| per perturbed token, composed over the {report.n_perturbed} perturbed tokens because each "
                   f"one's context holds the others); the paper's accounting (eps + eps' per token) would say "
                   f"{report.accounting['paper']:.1f}. See docs/cape.md.\n")
-    return bound
 
 
 @dataclass
@@ -170,9 +172,9 @@ def _steps(console: Console, seed: int | None, server: Launched, llm: Launched |
     console.print("Strong privacy (eta = 25): the nearest-neighbour attack recovers almost nothing. "
                   "Weak privacy (eta = 200): it reads the sentence back.\n")
 
-    bound = cape_section(console, generator)
+    cape_section(console, generator)
     snd_section(console, model, generator)
-    service_section(console, model, generator, bound, server=server, llm=llm, scratch=scratch)
+    service_section(console, model, generator, server=server, llm=llm)
     sap_section(console, seed, vendor, scratch)
     return rows
 
@@ -226,8 +228,8 @@ def snd_section(console: Console, model: SplitModel, generator: torch.Generator)
     console.print(table)
 
 
-def service_section(console: Console, model: SplitModel, generator: torch.Generator, bound: LogitBound, *,
-                    server: Launched, llm: Launched | None, scratch: Path) -> None:
+def service_section(console: Console, model: SplitModel, generator: torch.Generator, *, server: Launched,
+                    llm: Launched | None) -> None:
     import httpx
 
     from privlm.snd import Client
@@ -242,9 +244,9 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
             server_url = server.ready()
         chat_options: list[str] = []
         if llm is not None:
-            bound_file = bound.save(scratch / "logit_bound.json")
-            chat_options = ["--chat-upstream", llm.url, "--epsilon", f"{CAPE_EPSILON:g}",
-                            "--logit-bound", str(bound_file)]
+            # CUSTEXT+ reads no logit bound: no calibration for this gateway.
+            chat_options = ["--chat-upstream", llm.url, "--mechanism", CHAT_MECHANISM,
+                            "--epsilon", f"{CHAT_EPSILON:g}"]
             processes.append(llm.process)
         gateway = launch_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", *chat_options,
                                  "--port", str(gateway_port)])  # it loads while the client SDK runs
@@ -289,20 +291,22 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
 
 
 def chat_section(console: Console, gateway_url: str) -> None:
-    """One chat request through the gateway to serve-llm: what crossed, what it cost, and the answer."""
+    """One chat request through the gateway to serve-llm: the prompt as released, the answer, and the spend."""
     console.print(f"\n[bold]5. Private chat[/bold]: the same gateway, `POST /v1/chat/completions`, to `privlm "
                   f"serve-llm` (SmolLM2 as a stand-in for OpenAI, vLLM or Ollama)\nprompt: {CHAT_PROMPT!r}")
-    with console.status("Perturbing the prompt with Cape, then asking the upstream..."):
+    with console.status(f"Perturbing the prompt with {CHAT_MECHANISM}, then asking the upstream..."):
         answer, headers, client_name = _chat(gateway_url, CHAT_PROMPT)
-    report = answer["privlm"]
-    console.print(f"client: {client_name}; the gateway sent upstream (all serve-llm received of the prompt): "
-                  f"{report['texts'][0]['sent']!r}")
-    console.print(f"report (x-privlm-* headers): mechanism {headers['x-privlm-mechanism']}, epsilon "
-                  f"{headers['x-privlm-epsilon']} per token, {headers['x-privlm-tokens-perturbed']} of "
-                  f"{headers['x-privlm-tokens']} tokens perturbed, {float(headers['x-privlm-epsilon-spent']):.1f} "
-                  "spent (privlm's sound bound)")
-    console.print(f"the upstream's answer (to the perturbed prompt, unchanged): "
+    spent, epsilon = float(headers["x-privlm-epsilon-spent"]), float(headers["x-privlm-epsilon"])
+    perturbed, tokens = int(headers["x-privlm-tokens-perturbed"]), int(headers["x-privlm-tokens"])
+    count = f"{perturbed} perturbed tokens (of {tokens})"
+    # cape-public and CUSTEXT+ spend exactly epsilon per perturbed token; Cape's sound bound has more terms.
+    spend = (f"{spent:g} = {count} x epsilon {epsilon:g}" if abs(spent - perturbed * epsilon) < 1e-6
+             else f"{spent:g} for {count} at epsilon {epsilon:g} (privlm's sound bound)")
+    console.print(f"released ({headers['x-privlm-mechanism']}; all serve-llm received of the prompt): "
+                  f"{answer['privlm']['texts'][0]['sent']!r}")
+    console.print(f"answer (to the released prompt, unchanged; client: {client_name}): "
                   f"{answer['choices'][0]['message']['content']!r}")
+    console.print(f"spent: {spend}")
 
 
 def _chat(gateway_url: str, prompt: str) -> tuple[dict[str, Any], dict[str, str], str]:

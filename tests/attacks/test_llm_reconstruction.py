@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from privlm.attacks import llm_reconstruction, rank_candidates
-from tests.models.tiny import tiny_causal_lm
+from tests.models.tiny import tiny_causal_lm, tiny_model
 
 
 def test_the_ranking_is_the_whole_sequence_log_likelihood_and_keeps_the_released_token():
@@ -26,6 +26,31 @@ def test_the_ranking_is_the_whole_sequence_log_likelihood_and_keeps_the_released
                 log_p = lm.model(input_ids=row_ids).logits[0, :-1].log_softmax(-1)
             expected = log_p.gather(-1, row_ids[0, 1:, None]).sum()
             assert score == pytest.approx(float(expected), abs=1e-4)
+
+
+def _whole_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """The reference: sum_t log p(s_t | s_<t) of each whole row s, from scratch (no cache), in one pass."""
+    with torch.no_grad():
+        log_p = model(input_ids=rows).logits[:, :-1].log_softmax(-1)
+    return log_p.gather(-1, rows[:, 1:, None]).squeeze(-1).sum(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # rotary and learned absolute positions
+def test_the_scores_reusing_the_prefix_cache_equal_whole_rows_scored_from_scratch(family):
+    """rank_candidates scores a candidate's right context on the key/value cache of its left context: the score is
+    still the log-likelihood of the whole row, at the first, middle, next-to-last and last positions, whether the
+    released token is a candidate or not and however the rows are split into passes."""
+    model = tiny_causal_lm().model if family == "llama" else tiny_model("gpt2")
+    sequence, positions, special = [5, 6, 7, 8, 5, 9, 40, 41], [0, 1, 4, 6, 7], frozenset({0, 1, 2, 3, 4})
+    for include_released, max_batch_tokens in [(True, 4096), (True, 1), (False, 4096)]:
+        ids, scores = rank_candidates(model, sequence, positions, start_id=2, excluded=special, shortlist=6,
+                                      include_released=include_released, max_batch_tokens=max_batch_tokens)
+        assert ids.shape == scores.shape == (len(positions), 6)
+        rows = torch.tensor([2, *sequence]).repeat(ids.numel(), 1)
+        rows[torch.arange(ids.numel()), torch.tensor(positions).repeat_interleave(6) + 1] = ids.reshape(-1)
+        expected = _whole_rows(model, rows).reshape(ids.shape)
+        torch.testing.assert_close(scores, expected, atol=1e-4, rtol=0)
+        assert (expected[:, :-1] >= expected[:, 1:] - 1e-4).all()  # best first by the reference too
 
 
 def test_refusals():

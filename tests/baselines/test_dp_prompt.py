@@ -44,6 +44,28 @@ def test_the_exact_loss_between_two_documents_is_at_most_epsilon_per_token(smoll
         assert 0 < float(loss) <= epsilon + 1e-9
 
 
+def test_every_step_of_a_transcript_costs_at_most_epsilon_and_the_transcript_at_most_k_epsilon(smollm2_lm):
+    """A paraphrase drawn through the KV-cache decode, teacher-forced under two unrelated documents: each step's exact
+    loss (over every possible token, given the same prefix of the transcript) is at most eps, the transcript's own
+    loss at most k x eps, and the clip is active (some logits lie outside the range)."""
+    epsilon, bound = 8.0, (-10.0, 10.0)
+    dp = DPPrompt(smollm2_lm, epsilon=epsilon, logit_range=bound, generator=make_generator(11))
+    first, second = "My friend Alice lives in Paris.", "Bob's cat is called Tom."
+    transcript = dp._paraphrase(first, 6)
+    prompts = [dp.chat.prompt_ids([{"role": "user", "content": dp.instruction + t}]) for t in (first, second)]
+    total, clipped = 0.0, False
+    for step, token in enumerate(transcript):
+        with torch.no_grad():
+            logits = [smollm2_lm.model(input_ids=torch.tensor([ids + transcript[:step]])).logits[0, -1].float()
+                      for ids in prompts]
+        clipped |= any(bool((row.abs() > bound[1]).any()) for row in logits)
+        laws = [dp.mechanism.log_probabilities(row.clamp(*bound)) for row in logits]
+        assert float(exact_privacy_loss(*laws)) <= epsilon + 1e-9
+        total += float(laws[0][token] - laws[1][token])
+    assert clipped
+    assert abs(total) <= len(transcript) * epsilon + 1e-9
+
+
 def test_the_sampler_follows_the_exact_law():
     dp = DPPrompt(tiny_causal_lm(), epsilon=2.0, logit_range=(-0.1, 0.1), generator=make_generator(7))
     law = dp.mechanism.probabilities(first_step_logits(dp, "a dog w5").clamp(-0.1, 0.1))

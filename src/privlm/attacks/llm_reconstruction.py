@@ -9,19 +9,26 @@ the original), and ranks every candidate y by the log-likelihood of the whole se
 
 so the right context counts as much as the left. Every other position keeps its released token. Success at
 position i: the original token is the best candidate (top-1) or among the ``top`` best (top-10). This is what an
-adversary with a language model does to word-level DP text (Cape, cape-public, CUSTEXT+, SANTEXT+, InferDPT); the
-candidate sequences of a prompt go through the model in batched forward passes.
+adversary with a language model does to word-level DP text (Cape, cape-public, CUSTEXT+, SANTEXT+, InferDPT). The
+candidates of a position share their left context: one pass over the released sequence scores it for all of them
+(its key/value cache and prefix log-likelihoods), and only (y, r_{i+1} .. r_{n-1}) goes through the model per candidate.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from privlm._validation import check_positive_int
 from privlm.attacks.results import AttackResult
+
+if TYPE_CHECKING:
+    from transformers import Cache
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,27 @@ class Reconstruction:
         return tuple(r[:, 0] for r in self.ranked)
 
 
-def _log_likelihood(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """sum_t log p(s_t | s_<t) for each row s (its first token is the context start)."""
-    logits = model(input_ids=rows, attention_mask=torch.ones_like(rows)).logits[:, :-1].float()
-    return logits.log_softmax(dim=-1).gather(-1, rows[:, 1:].unsqueeze(-1)).squeeze(-1).sum(dim=-1)
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) under each row of ``logits`` (..., vocabulary), without materialising a log-softmax."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+def _cache_name(model: torch.nn.Module) -> str:
+    """The forward argument (and output field) of the key/value cache: ``cache`` since transformers 5 deprecated
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _suffix_log_likelihood(model: torch.nn.Module, cache: Cache, prefix: int, rows: torch.Tensor) -> torch.Tensor:
+    """sum_t log p(s_t | prefix, s_<t) over t >= 1 of each row s, the prefix being the first ``prefix`` tokens of
+    ``cache`` (one row, left as it is)."""
+    cache = copy.deepcopy(cache)  # cropped, repeated and appended to below
+    cache.crop(prefix - cache.get_seq_length())
+    cache.batch_repeat_interleave(rows.shape[0])
+    mask = torch.ones(rows.shape[0], cache.get_seq_length() + rows.shape[1], dtype=torch.long, device=rows.device)
+    logits = model(input_ids=rows, attention_mask=mask, use_cache=True, **{_cache_name(model): cache}).logits[:, :-1]
+    return _token_log_probs(logits, rows[:, 1:]).sum(dim=-1)
 
 
 @torch.inference_mode()
@@ -50,23 +74,39 @@ def rank_candidates(model: torch.nn.Module, sequence: Sequence[int], positions: 
                     max_batch_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of each position of ``positions`` in ``sequence`` (no start token), ranked by the whole-sequence
     log-likelihood: ids (m, k) and their scores (m, k), best first. ``include_released``: the released token is
-    always a candidate (in place of the last of the shortlist when the left context does not rank it)."""
+    always a candidate (in place of the last of the shortlist when the left context does not rank it).
+
+    One pass over the released sequence gives the shortlists and the log-likelihood of every prefix, which the
+    candidates of a position share; then, per position, the candidates and their right context go through the model
+    on that pass's key/value cache cut to the prefix, in passes of at most ``max_batch_tokens`` fed tokens."""
     device = next(model.parameters()).device
     base = torch.tensor([start_id, *sequence], device=device)
     at = torch.tensor(list(positions), device=device) + 1
-    left = model(input_ids=base.unsqueeze(0)).logits[0, at - 1].float()
-    left[:, [i for i in excluded if i < left.shape[-1]]] = -torch.inf
-    k = min(shortlist, int(torch.isfinite(left[0]).sum()))
-    candidates = left.topk(k, dim=-1).indices  # (m, k)
+    out = model(input_ids=base.unsqueeze(0), use_cache=True)
+    logits = out.logits[0].float()
+    # prefix[j]: log-likelihood of base[1..j] (prefix[0] = 0); position at's candidates share prefix[at - 1]
+    prefix = torch.cat([logits.new_zeros(1), _token_log_probs(logits[:-1], base[1:]).cumsum(dim=0)])
+    left = logits[at - 1]
+    shortlisted = left.clone()
+    shortlisted[:, [i for i in excluded if i < left.shape[-1]]] = -torch.inf
+    k = min(shortlist, int(torch.isfinite(shortlisted[0]).sum()))
+    candidates = shortlisted.topk(k, dim=-1).indices  # (m, k)
     if include_released:
-        released = base[at]
-        missing = ~(candidates == released[:, None]).any(dim=-1)
-        candidates[missing, -1] = released[missing]
-    m = candidates.shape[0]
-    rows = base.repeat(m * k, 1)
-    rows[torch.arange(m * k, device=device), at.repeat_interleave(k)] = candidates.reshape(-1)
-    per_pass = max(k, max_batch_tokens // base.shape[0])
-    scores = torch.cat([_log_likelihood(model, part) for part in rows.split(per_pass)]).reshape(m, k)
+        missing = ~(candidates == base[at, None]).any(dim=-1)
+        candidates[missing, -1] = base[at][missing]
+    scores = prefix[at - 1, None] + left.log_softmax(dim=-1).gather(1, candidates)  # ... + log p(y | prefix)
+    cache = getattr(out, _cache_name(model))
+    for row, a in enumerate(at.tolist()):
+        kept = candidates[row] == base[a]
+        scores[row, kept] = prefix[-1]  # y = r_i: the released sequence, already scored
+        changed = (~kept).nonzero().squeeze(-1)
+        if a == len(base) - 1 or not len(changed):
+            continue  # the last token has no right context
+        rows = base[a:].repeat(len(changed), 1)
+        rows[:, 0] = candidates[row, changed]
+        per_pass = max(1, max_batch_tokens // rows.shape[1])
+        right = [_suffix_log_likelihood(model, cache, a, part) for part in rows.split(per_pass)]  # prefix: bos..r_{i-1}
+        scores[row, changed] += torch.cat(right)
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)  # a tie keeps the left context's order
     return candidates.gather(1, order), ordered
 

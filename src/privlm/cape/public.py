@@ -90,14 +90,15 @@ class _Chunk:
 
 class PublicContextCape:
     """cape-public on a causal device model. ``epsilon``: per perturbed token (what the ledger is charged per
-    token); ``tau`` >= 0 and ``top_p`` in (0, 1]: the public base measure (see the module doc);
+    token); ``tau`` >= 0 and ``top_p`` in (0, 1]: the public base measure (see the module doc; the defaults,
+    tau 2 and top-p 1, are ``privlm bench chat-quality``'s choice on its training prompts);
     ``generator``: the only source of randomness (OS-seeded when None); ``ledger``: charged
     (perturbed tokens) x epsilon per prompt under ``principal``, before anything is drawn."""
 
     name = "cape-public"
     unit = PrivacyUnit.EPSILON
 
-    def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, tau: float = 1.0,
+    def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, tau: float = 2.0,
                  top_p: float = 1.0, non_sensitive: NonSensitiveTokens | None = None,
                  generator: torch.Generator | None = None, ledger: Ledger | None = None, principal: str = "local",
                  batch_size: int = 16, device: str = "auto") -> None:

@@ -209,11 +209,13 @@ def logit_scores(logits: torch.Tensor, bound: float, weight: float = 1.0) -> tor
 
 def distance_scores(distances: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
     """weight * s, with s = 1 - (d - min d) / (max d - min d) = (max d - d) / (max d - min d) per row, in [0, 1];
-    s = 1 where the row is constant (in place on ``distances``)."""
+    s = 1 where the row is constant (in place on ``distances``). The clamp absorbs float32 rounding only (span times
+    its rounded reciprocal may exceed 1 by an ulp): a score above ``weight`` would break the sensitivity."""
     low, high = distances.amin(dim=-1, keepdim=True), distances.amax(dim=-1, keepdim=True)
     span = high - low
     scores = distances.sub_(high).mul_(-weight / span.clamp_min(torch.finfo(distances.dtype).tiny))
-    return scores if bool((span > 0).all()) else torch.where(span > 0, scores, weight)
+    scores = scores if bool((span > 0).all()) else torch.where(span > 0, scores, weight)
+    return scores.clamp_(0.0, largest_float32_at_most(weight).item())
 
 
 def largest_float32_at_most(value: float) -> torch.Tensor:

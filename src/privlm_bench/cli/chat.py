@@ -54,3 +54,34 @@ def bench_survival(
         raise typer.BadParameter(str(error)) from None
     files = run_survival_bench(setting, out, console)
     console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+@bench_app.command("chat-quality")
+def bench_chat_quality(
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/chat-quality"),
+    points: Annotated[str | None, typer.Option(help="Mechanisms and their epsilons, e.g. 'cape-public:4,8;cape:6' "
+                                                    "(default: every registered mechanism at levels spanning the "
+                                                    "attack range).")] = None,
+    n_test: Annotated[int, typer.Option(help="Test prompts answered per point.")] = 24,
+    n_select: Annotated[int, typer.Option(help="Training prompts that choose cape-public's tau and top-p.")] = 12,
+    n_tweets: Annotated[int, typer.Option(help="Test tweets for the classifier AUC.")] = 100,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per answer (greedy), and per extraction.")] = 24,
+    seed: Annotated[int, typer.Option(help="Fixes the prompt samples and the in-process draws (the attacks' releases, "
+                                                "the tweets, the selection); the gateways draw from OS entropy.")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the points a stopped run with the same settings "
+                                                          "finished (OUT/partial.jsonl).")] = False,
+    select_only: Annotated[bool, typer.Option("--select-only", help="Only choose cape-public's tau and top-p on the "
+                                                                    "training prompts (OUT/selection.json).")] = False,
+) -> None:
+    """Answer quality against personal-detail leakage for every registered mechanism, through the real gateway to
+    `privlm serve-llm`: answer similarity (with and without --extract), perplexity, tweets AUC, spans verbatim, LM
+    reconstruction and KNN, a placeholder control, and verdicts."""
+    from privlm_bench.chat.quality import DEFAULT_POINTS, QualitySetting, parse_points, run_quality_bench
+
+    try:
+        setting = QualitySetting(points=DEFAULT_POINTS if points is None else parse_points(points), n_test=n_test,
+                                 n_select=n_select, n_tweets=n_tweets, max_tokens=max_tokens, seed=seed)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_quality_bench(setting, out, console, resume=resume, select_only=select_only)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from privlm.cape.service.extraction import AnswerExtractor
-from privlm.models.chat import ChatModel
+from privlm.models.chat import ChatModel, Generation
+from privlm.models.language import LanguageModel
 from tests.support.chat import (
     CANNED,
     CANNED_CONTENT,
@@ -32,16 +33,34 @@ pytestmark = pytest.mark.slow
 PROMPT = "My friend Alice from Boston asks: what is the capital of France?"
 
 
+CAP = 8  # the extractor's own max_tokens
+
+
+class RecordingChatModel(ChatModel):
+    """SmolLM2, recording each generation's max_tokens and the tokens it sampled (its tokenizer's count)."""
+
+    def __init__(self, language_model: LanguageModel) -> None:
+        super().__init__(language_model)
+        self.calls: list[tuple[int, int]] = []
+
+    def generate(self, *args, **kwargs) -> Generation:  # type: ignore[no-untyped-def]
+        generation = super().generate(*args, **kwargs)
+        self.calls.append((kwargs["max_tokens"], generation.completion_tokens))
+        return generation
+
+
 class Extracting(NamedTuple):
     url: str
     extractor: AnswerExtractor
+    model: RecordingChatModel
 
 
 @pytest.fixture(scope="module")
 def extracting(smollm2_lm, cape_privacy, stub) -> Iterator[Extracting]:
-    extractor = AnswerExtractor(ChatModel(smollm2_lm), max_tokens=8)
+    model = RecordingChatModel(smollm2_lm)
+    extractor = AnswerExtractor(model, max_tokens=CAP)
     with chat_gateway(cape_privacy, stub.url, extractor=extractor) as url:
-        yield Extracting(url, extractor)
+        yield Extracting(url, extractor, model)
 
 
 def test_the_answer_is_the_local_models_and_the_upstreams_is_kept(extracting, stub):
@@ -80,3 +99,20 @@ def test_an_upstream_error_is_not_rewritten(extracting):
     response = httpx.post(f"{extracting.url}/v1/chat/completions", json=chat_body(PROMPT, model=MISSING),
                           timeout=TIMEOUT)
     assert response.status_code == 404 and response.content == NOT_FOUND
+
+
+def test_the_extraction_keeps_to_the_requests_own_max_tokens(extracting):
+    """A caller that asked for n tokens gets a rewrite of at most n (the smaller of max_tokens and
+    max_completion_tokens), streamed or not; above the extractor's cap, the cap."""
+    model = extracting.model
+    model.calls.clear()
+    for fields in ({"max_tokens": 3}, {"max_tokens": 50, "max_completion_tokens": 4, "stream": True},
+                   {"max_tokens": 50}):
+        with httpx.stream("POST", f"{extracting.url}/v1/chat/completions", json=chat_body(PROMPT, **fields),
+                          timeout=TIMEOUT) as response:
+            response.read()
+        assert response.status_code == 200, response.text
+    [(asked_3, sampled_3), (asked_4, sampled_4), (asked_cap, sampled_cap)] = model.calls
+    assert (asked_3, asked_4, asked_cap) == (3, 4, CAP)
+    assert sampled_3 <= 3 and sampled_4 <= 4
+    assert sampled_cap > 4  # unbounded by the request, the rewrite is longer: the limits above did cut it

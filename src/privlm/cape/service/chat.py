@@ -188,6 +188,12 @@ class _Call:
     def report_field(self) -> dict[str, Any]:
         return privacy_report(self.result, self.slots, self.id, self.dropped)
 
+    def answer_limit(self) -> int | None:
+        """The most tokens the request asked for (the smaller of ``max_completion_tokens`` and ``max_tokens``),
+        which a local rewrite of the answer keeps to too; None when it set neither."""
+        limits = [n for n in (self.request.max_completion_tokens, self.request.max_tokens) if n is not None]
+        return min(limits, default=None)
+
     def user_prompt(self) -> str:
         """The user's own words, for the local extraction (stays on this machine)."""
         return "\n\n".join(m.content if isinstance(m.content, str) else
@@ -301,7 +307,8 @@ async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtrac
         raise ServiceError(502, "the upstream answered with invalid JSON", type="upstream_error",
                            code="upstream_invalid") from None
     if extractor is not None:
-        body = await asyncio.to_thread(extractor.rewrite_completion, call.user_prompt(), body)
+        body = await asyncio.to_thread(extractor.rewrite_completion, call.user_prompt(), body,
+                                       limit=call.answer_limit())
     if call.report:
         body["privlm"] = call.report_field()
     headers.pop("content-type", None)
@@ -368,7 +375,8 @@ async def _extracted_events(answer: UpstreamStream, call: _Call, extractor: Answ
     model = call.request.model
     chunk_id, created = completion_id(), now()
     for index in sorted(texts) or [0]:
-        extracted = await asyncio.to_thread(extractor.extract, call.user_prompt(), texts.get(index, ""))
+        extracted = await asyncio.to_thread(extractor.extract, call.user_prompt(), texts.get(index, ""),
+                                            limit=call.answer_limit())
         for delta in ({"role": "assistant", "content": ""}, {"content": extracted}):
             yield sse_event(ChatCompletionChunk.model_validate(
                 {"id": chunk_id, "created": created, "model": model,

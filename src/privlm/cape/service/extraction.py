@@ -20,7 +20,8 @@ INSTRUCTION = ("You answer the user's question. Another assistant answered a noi
 
 
 class AnswerExtractor:
-    """Rewrites an answer with ``chat_model`` (greedy, at most ``max_tokens`` tokens)."""
+    """Rewrites an answer with ``chat_model`` (greedy, at most ``max_tokens`` tokens, or fewer where the request
+    asked for fewer: ``limit``)."""
 
     def __init__(self, chat_model: ChatModel, *, max_tokens: int = 256) -> None:
         self.chat_model = chat_model
@@ -30,19 +31,21 @@ class AnswerExtractor:
         question = f"Question:\n{prompt}\n\nDraft answer:\n{answer}\n\nAnswer to the question:"
         return [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": question}]
 
-    def extract(self, prompt: str, answer: str) -> str:
-        """The local model's answer to ``prompt``, given the upstream's ``answer`` (blocking)."""
-        return self.chat_model.generate(self.messages(prompt, answer), max_tokens=self.max_tokens,
-                                        temperature=0.0).text
+    def extract(self, prompt: str, answer: str, *, limit: int | None = None) -> str:
+        """The local model's answer to ``prompt``, given the upstream's ``answer`` (blocking), in at most
+        ``limit`` tokens (the request's own cap) when that is below the extractor's."""
+        max_tokens = self.max_tokens if limit is None else min(self.max_tokens, check_positive_int("limit", limit))
+        return self.chat_model.generate(self.messages(prompt, answer), max_tokens=max_tokens, temperature=0.0).text
 
-    def rewrite_completion(self, prompt: str, completion: dict[str, Any]) -> dict[str, Any]:
-        """A chat completion (JSON) with every choice's text content rewritten; the upstream's kept under
-        ``privlm_upstream_content`` in each choice's message."""
+    def rewrite_completion(self, prompt: str, completion: dict[str, Any], *, limit: int | None = None
+                           ) -> dict[str, Any]:
+        """A chat completion (JSON) with every choice's text content rewritten (in at most ``limit`` tokens, as
+        :meth:`extract`); the upstream's kept under ``privlm_upstream_content`` in each choice's message."""
         for choice in completion.get("choices") or []:
             message = choice.get("message") if isinstance(choice, dict) else None
             if isinstance(message, dict) and isinstance(message.get("content"), str):
                 message["privlm_upstream_content"] = message["content"]
-                message["content"] = self.extract(prompt, message["content"])
+                message["content"] = self.extract(prompt, message["content"], limit=limit)
         return completion
 
 

@@ -1,0 +1,355 @@
+"""The report of ``privlm bench chat-quality``: results.md, verdicts and plots, all from results.json alone.
+
+Verdicts, each computed from the rows:
+
+(1) The bar (issue 24): a differentially private point lets at most 5% of the personal spans through verbatim (the
+    95% Clopper-Pearson upper bound of its share),
+    and its answers are as close to the original's as the placeholder control's (not below it by more than the
+    noise margin). The control's detector is an oracle here: a real redactor (Presidio) misses spans and leaks them.
+(2) cape-public against Cape, CUSTEXT+ and DP-Prompt: answer similarity, and tweets AUC, at matched attack success
+    (LM reconstruction top-1 on the personal-span tokens, KNN top-10, and the share of spans sent verbatim; DP-Prompt,
+    which rewrites the prompt, on the last only), read as ``privlm bench cape`` reads its claims
+    (:func:`privlm_bench.cape.claims.tradeoff`: straight lines between measured points, compared at common attack
+    levels). The margin of a similarity difference is 1.96 times the root sum of squares of the two points'
+    standard errors (the largest of each curve); for AUC, Hanley and McNeil's.
+(3) cape-public's spend: every request's reported spend is exactly (perturbed tokens) x epsilon.
+(4) The extraction: whether the gateway's ``--extract`` moves answers closer to the original's, per mechanism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from privlm.attacks import AttackResult
+from privlm.models.text_mechanisms import text_mechanism
+from privlm_bench.cape.claims import TradeOff, Z, tradeoff
+from privlm_bench.harness.report import markdown_table
+
+Row = dict[str, Any]
+OURS = "cape-public"
+RIVALS = ("cape", "custext-plus", "dp-prompt")
+ATTACK = "lm_top1"
+ORIGINAL, PLACEHOLDERS = "original", "placeholders"
+GOAL = 0.05
+
+
+def _n(row: Row | None, key: str) -> float:
+    value = None if row is None else row.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+
+
+def _f(value: float, digits: int = 3) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def label(method: str) -> str:
+    if method == ORIGINAL:
+        return "original prompt (no privacy)"
+    if method == PLACEHOLDERS:
+        return "placeholders for the marked spans (no DP, oracle detector)"
+    try:
+        return text_mechanism(method).label
+    except ValueError:
+        return method
+
+
+def _row(rows: Sequence[Row], method: str) -> Row | None:
+    return next((r for r in rows if r["method"] == method), None)
+
+
+def _private(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r["method"] not in (ORIGINAL, PLACEHOLDERS)]
+
+
+# --------------------------------------------------------------------------------------------- verdicts
+AXES = {ATTACK: "LM reconstruction top-1", "span_verbatim": "spans verbatim", "knn_success": "KNN top-10"}
+UTILITIES = {"answer_similarity": "answer similarity", "classifier_auc": "tweets AUC"}
+
+
+def similarity_margin(rows: Sequence[Row], a: str, b: str) -> float:
+    """Z times the root sum of squares of each curve's largest standard error (NaN: not measurable)."""
+    errors = [max((_n(r, "answer_similarity_se") for r in rows if r["method"] == m), default=math.nan)
+              for m in (a, b)]
+    return Z * math.sqrt(sum(e**2 for e in errors))
+
+
+def matched(rows: Sequence[Row], ours: str, other: str, utility: str, attack: str = ATTACK) -> TradeOff:
+    """``ours`` against ``other`` at equal ``attack`` success (AUC margins: Hanley and McNeil's, from
+    :func:`~privlm_bench.cape.claims.tradeoff`; similarity margins: :func:`similarity_margin`)."""
+    result = tradeoff(list(rows), ours, other, utility=utility, attack=attack)
+    if utility == "answer_similarity" and result.grid:
+        margin = similarity_margin(rows, ours, other)
+        if not math.isfinite(margin):
+            return dataclasses.replace(result, grid=(), ours_utility=(), other_utility=(), margins=())
+        result = dataclasses.replace(result, margins=tuple(margin for _ in result.grid))
+    return result
+
+
+def verbatim_upper(row: Row) -> float:
+    """The 95% Clopper-Pearson upper bound of the share of spans sent verbatim."""
+    spans = int(_n(row, "spans")) if math.isfinite(_n(row, "spans")) else 0
+    if spans < 1:
+        return math.nan
+    return AttackResult(name="verbatim", successes=round(_n(row, "span_verbatim") * spans), trials=spans).ci_high
+
+
+def bar_verdict(rows: Sequence[Row]) -> tuple[str, list[str]]:
+    """Some DP point whose verbatim share is at most GOAL (its upper confidence bound) and whose answers are within
+    the margin of the placeholder control's."""
+    control = _row(rows, PLACEHOLDERS)
+    if control is None:
+        return "not measured", ["the placeholder control is missing from this run"]
+    lines, passing = [], []
+    for r in _private(rows):
+        margin = Z * math.sqrt(_n(r, "answer_similarity_se") ** 2 + _n(control, "answer_similarity_se") ** 2)
+        close = _n(r, "answer_similarity") >= _n(control, "answer_similarity") - margin
+        upper = verbatim_upper(r)
+        private = upper <= GOAL
+        if private and close:
+            passing.append(r)
+        lines.append(f"{label(r['method'])} at epsilon {r['epsilon']:g} (spend {_f(_n(r, 'spend_per_prompt'), 1)} per "
+                     f"prompt): {_f(_n(r, 'span_verbatim'))} of spans verbatim (upper bound {_f(upper)}: "
+                     f"{'within' if private else 'over'} {GOAL:.0%}); answer similarity "
+                     f"{_f(_n(r, 'answer_similarity'))} against the control's {_f(_n(control, 'answer_similarity'))}"
+                     f" (margin {_f(margin)}): {'as close' if close else 'further'}")
+    return ("holds" if passing else "does not hold"), lines
+
+
+def best_private(rows: Sequence[Row]) -> Row | None:
+    """The DP point with the highest answer similarity among those whose spans-verbatim upper bound is at most GOAL:
+    the one the demo's chat step uses."""
+    private = [r for r in _private(rows) if verbatim_upper(r) <= GOAL and math.isfinite(_n(r, "answer_similarity"))]
+    return max(private, key=lambda r: _n(r, "answer_similarity"), default=None)
+
+
+def _axes(method: str) -> list[str]:
+    """The attack axes on which ``method`` is measured like for like (DP-Prompt's paraphrase: spans verbatim only;
+    its LM top-1 is a different measure, and KNN does not apply)."""
+    try:
+        rewrites = text_mechanism(method).rewrites
+    except ValueError:
+        rewrites = False
+    return ["span_verbatim"] if rewrites else [ATTACK, "knn_success", "span_verbatim"]
+
+
+def comparison_lines(rows: Sequence[Row]) -> list[str]:
+    present = {str(r["method"]) for r in rows}
+    if OURS not in present:
+        return [f"**not measured**: {label(OURS)} is missing from this run."]
+    lines = [f"- {label(OURS)} vs {label(o)}: **not measured**: missing from this run." for o in RIVALS
+             if o not in present]
+    for other in (o for o in RIVALS if o in present):
+        for attack in _axes(other):
+            for utility, name in UTILITIES.items():
+                t = matched(rows, OURS, other, utility, attack)
+                (a_low, a_high), (b_low, b_high) = t.ranges
+                head = f"- {label(OURS)} vs {label(other)}, {name} at matched {AXES[attack]}"
+                if not t.grid:
+                    lines.append(f"{head}: **not measurable**: {AXES[attack]} spans [{_f(a_low)}, {_f(a_high)}] and "
+                                 f"[{_f(b_low)}, {_f(b_high)}] (no common level, or no margin).")
+                    continue
+                lines.append(f"{head}: **{t.verdict}** at {len(t.grid)} levels in [{t.grid[0]:.3f}, "
+                             f"{t.grid[-1]:.3f}] ({t.better} better, {t.worse} worse, "
+                             f"{len(t.grid) - t.better - t.worse} within the margin; mean difference "
+                             f"{float(np.mean(t.differences)):+.3f}, margin {_f(float(np.mean(t.margins)))}).")
+    return lines
+
+
+def _best_lines(rows: Sequence[Row]) -> list[str]:
+    best = best_private(rows)
+    if best is None:
+        return ["The best private point: none keeps spans verbatim under the bar.", ""]
+    return [f"The best private point (highest answer similarity with spans verbatim under the bar): "
+            f"**{label(best['method'])} at epsilon {best['epsilon']:g}**, answer similarity "
+            f"{_f(_n(best, 'answer_similarity'))}, spend {_f(_n(best, 'spend_per_prompt'), 1)} per prompt.", ""]
+
+
+def spend_verdict(rows: Sequence[Row]) -> str:
+    ours = [r for r in rows if r["method"] == OURS]
+    if not ours:
+        return "not measured"
+    return "holds" if all(r.get("spend_is_perturbed_times_epsilon") is True for r in ours) else "does not hold"
+
+
+def extraction_lines(rows: Sequence[Row]) -> list[str]:
+    lines = []
+    for r in [*_private(rows), *[x for x in rows if x["method"] == PLACEHOLDERS]]:
+        gain = _n(r, "extracted_similarity") - _n(r, "answer_similarity")
+        if math.isfinite(gain):
+            level = "" if r["method"] == PLACEHOLDERS else f" eps {r['epsilon']:g}"
+            lines.append(f"{label(r['method'])}{level}: {gain:+.3f}")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------- tables
+COLUMNS = (("spend_per_prompt", "spend / prompt", 1), ("span_verbatim", "spans verbatim", 3),
+           ("prompts_leaking", "prompts leaking", 3), ("lm_top1", "LM top-1", 3),
+           ("lm_top1_ci_high", "its 95% upper", 3), ("lm_top10", "LM top-10", 3),
+           ("knn_success", "KNN top-10", 3), ("answer_similarity", "answer sim.", 3),
+           ("answer_similarity_se", "± se", 3), ("extracted_similarity", "extracted sim.", 3),
+           ("released_perplexity", "perplexity", 1), ("classifier_auc", "tweets AUC", 3))
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = []
+    for r in rows:
+        eps = r.get("epsilon")
+        cells: dict[str, object] = {"method": label(str(r["method"])),
+                                    "epsilon": "-" if not isinstance(eps, int | float) or not math.isfinite(eps)
+                                    else f"{eps:g}"}
+        trials = int(_n(r, "lm_trials")) if math.isfinite(_n(r, "lm_trials")) else 0
+        upper = (AttackResult(name="lm", successes=round(_n(r, ATTACK) * trials), trials=trials).ci_high
+                 if trials and math.isfinite(_n(r, ATTACK)) else math.nan)
+        cells |= {name: _f(upper if key == "lm_top1_ci_high" else _n(r, key), digits) for key, name, digits in COLUMNS}
+        lines.append(cells)
+    return markdown_table(lines)
+
+
+def selection_lines(selection: Mapping[str, Any]) -> list[str]:
+    grid: list[dict[str, object]] = [
+        {"tau": f"{g['tau']:g}", "top_p": f"{g['top_p']:g}", "answer sim.": _f(g["answer_similarity"]),
+         "spans verbatim": _f(g["span_verbatim"]), "perplexity": _f(g["released_perplexity"], 1)}
+        for g in selection["grid"]]
+    chosen, shipped = selection["chosen"], selection["shipped"]
+    same = chosen == shipped
+    return [f"On {selection['n_prompts']} training prompts at epsilon {selection['epsilon']:g} ({selection['rule']}):",
+            "", markdown_table(grid), "",
+            f"Chosen: tau {chosen['tau']:g}, top-p {chosen['top_p']:g}. The shipped defaults (tau "
+            f"{shipped['tau']:g}, top-p {shipped['top_p']:g}) {'are' if same else 'are NOT'} this choice."]
+
+
+def quality_markdown(payload: Mapping[str, Any]) -> str:
+    rows, meta, s = payload["rows"], payload["metadata"], payload["setting"]
+    original, control = _row(rows, ORIGINAL), _row(rows, PLACEHOLDERS)
+    bar, bar_lines = bar_verdict(rows)
+    lines = [
+        "# privlm bench chat-quality", "",
+        f"`{meta.get('command')}` at {str(meta.get('git_commit'))[:12]}, seed {meta.get('seed')}, "
+        f"{meta.get('seconds', math.nan) / 60:.0f} min. {payload['prompts']['test']} test prompts (split by template), "
+        f"answers by `privlm serve-llm` (SmolLM2, greedy, {s['max_tokens']} tokens) through `privlm gateway "
+        f"--extract`; tweets AUC on {s['n_tweets']} tweets. Logit bound B = {payload['logit_bound']['value']:.3f} "
+        "(public prompts). Spend is each mechanism's sound per-prompt total, in its own unit (Text2Text's and the "
+        "SANTEXT/InferDPT metric mechanisms' are not epsilons of the same kind): compare at matched attack success.",
+        "",
+        f"An unrelated prompt's answer scores {_f(_n(original, 'unrelated_similarity'))} "
+        f"(± {_f(_n(original, 'unrelated_similarity_se'))}); the original's own answer 1.",
+        *([] if payload.get("complete", True) else [
+            "", f"**Partial run**: {len(rows)} points of the {2 + sum(len(e) for _, e in s['points'])} set; "
+            "the verdicts below read only these."]),
+        "", table(rows), "",
+        "## Verdicts", "",
+        f"**(1) At most {GOAL:.0%} of personal spans verbatim, answers as close as the placeholder control's: {bar}.**",
+        "", *[f"- {line}" for line in bar_lines], "",
+        "The control's detector is an oracle (the marked spans): it leaks nothing here; a real redactor leaks what "
+        "it misses.", "",
+        *_best_lines(rows),
+        f"**(2) {label(OURS)} at matched attack success** (LM reconstruction top-1 on personal-span tokens, KNN "
+        "top-10, and the share of spans sent verbatim; DP-Prompt on the last only):", "",
+        *comparison_lines(rows), "",
+        "DP-Prompt rewrites the prompt: no released token stands for an original one, so its LM top-1 column is "
+        "another measure (the share of span token ids found anywhere in the paraphrase, case and word boundaries "
+        "ignored), not compared; it is compared at matched spans verbatim, which every row measures on what the "
+        "gateway sent.", "",
+        f"**(3) {label(OURS)}'s spend is exactly (perturbed tokens) x epsilon on every request: "
+        f"{spend_verdict(rows)}.**", "",
+        "**(4) The gateway's extraction (--extract), change in answer similarity:** "
+        + "; ".join(extraction_lines(rows)) + ".", "",
+        f"The placeholder control: {_f(_n(control, 'answer_similarity'))} answer similarity, "
+        f"{_f(_n(control, 'extracted_similarity'))} after extraction.", "",
+        "## cape-public's tau and top-p", "", *selection_lines(payload["selection"]), "",
+        "## Examples", "",
+    ]
+    for r in _private(rows):
+        for example in r.get("examples", [])[:1]:
+            lines += [f"- {label(r['method'])}, eps {r['epsilon']:g}: sent {example['sent']!r}"]
+    lines += ["", "Plots: `similarity_vs_attack.png`, `verbatim_vs_similarity.png`, `auc_vs_attack.png`."]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------- plots
+def _plot(rows: Sequence[Row], x: str, y: str, xlabel: str, ylabel: str, path: Path, title: str,
+          lines: Mapping[str, float] | None = None) -> Path:
+    fig = Figure(figsize=(8, 5.5))
+    ax = fig.subplots()
+    for method in dict.fromkeys(str(r["method"]) for r in rows):
+        points = sorted((_n(r, x), _n(r, y)) for r in rows if r["method"] == method)
+        points = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", markersize=4, label=label(method))
+    for name, value in (lines or {}).items():
+        if math.isfinite(value):
+            ax.axhline(value, linestyle="--", color="gray", linewidth=1)
+            ax.annotate(name, (ax.get_xlim()[0], value), fontsize=7, color="gray")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6.5, loc="best")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    return path
+
+
+def write_plots(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
+    original, control = _row(rows, ORIGINAL), _row(rows, PLACEHOLDERS)
+    floor = {"unrelated answer": _n(original, "unrelated_similarity"),
+             "placeholders": _n(control, "answer_similarity")}
+    return [
+        _plot(rows, ATTACK, "answer_similarity", "LM reconstruction top-1, personal-span tokens (lower: more private)",
+              "answer similarity (MiniLM cosine to the original's answer)", out_dir / "similarity_vs_attack.png",
+              "chat-quality: answer similarity at matched attack success", floor),
+        _plot(rows, "span_verbatim", "answer_similarity", "share of personal spans sent verbatim",
+              "answer similarity", out_dir / "verbatim_vs_similarity.png",
+              "chat-quality: spans verbatim against answer similarity", floor),
+        _plot(rows, ATTACK, "classifier_auc", "LM reconstruction top-1, personal-span tokens",
+              "tweets AUC (MiniLM + logistic regression)", out_dir / "auc_vs_attack.png",
+              "chat-quality: tweets AUC at matched attack success", {"chance": 0.5}),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- files
+def _safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, np.floating | np.integer):
+        return _safe(value.item())
+    if isinstance(value, Mapping):
+        return {k: _safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_safe(v) for v in value]
+    return value
+
+
+def _load(value: object) -> object:
+    if value in ("inf", "nan", "-inf"):
+        return float(str(value))
+    if isinstance(value, dict):
+        return {k: _load(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_load(v) for v in value]
+    return value
+
+
+def write_quality_report(out_dir: Path, payload: Mapping[str, Any]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(_safe(payload), indent=2) + "\n")
+    return [results, *render_quality_report(out_dir)]
+
+
+def render_quality_report(out_dir: Path) -> list[Path]:
+    """results.md and the plots from results.json alone."""
+    payload: Any = _load(json.loads((out_dir / "results.json").read_text()))
+    markdown = out_dir / "results.md"
+    markdown.write_text(quality_markdown(payload))
+    return [markdown, *write_plots(out_dir, payload["rows"])]

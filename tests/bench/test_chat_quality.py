@@ -1,0 +1,184 @@
+"""``privlm bench chat-quality`` (issue 24): its text measures, its settings and the verdicts its report computes.
+
+The run itself needs serve-llm and a gateway per mechanism (minutes on SmolLM2): it is exercised by the committed
+benchmark, not here. These tests check what the verdicts are made of.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from privlm.models.prompts import tokenize_prompt
+from privlm_bench.chat.quality import (
+    DEFAULT_POINTS,
+    QualitySetting,
+    mean_and_error,
+    parse_points,
+    span_positions,
+    verbatim,
+    with_placeholders,
+)
+from privlm_bench.chat.quality_prompts import QualityPrompt, Span
+from privlm_bench.chat.quality_report import (
+    bar_verdict,
+    matched,
+    render_quality_report,
+    spend_verdict,
+    write_quality_report,
+)
+
+TEXT = "I am Maria Gonzalez, 34, from Seattle. I earn 3400 a month."
+PROMPT = QualityPrompt(TEXT, (Span(5, 19, "name", "Maria Gonzalez"), Span(21, 23, "age", "34"),
+                              Span(30, 37, "place", "Seattle")), "test-01")
+
+
+def test_a_span_is_verbatim_only_as_whole_words_in_its_own_case():
+    age, place = PROMPT.spans[1], PROMPT.spans[2]
+    assert verbatim(place, "He moved to Seattle, Washington.")
+    assert not verbatim(place, "He moved to seattle.")  # a case change is not the span
+    assert not verbatim(place, "Seattleites")
+    assert verbatim(age, "aged 34.")
+    assert not verbatim(age, "I earn 3400")  # digits inside a longer number are not the age
+
+
+def test_placeholders_replace_every_marked_span_and_nothing_else():
+    assert with_placeholders(PROMPT) == "I am [NAME], [AGE], from [PLACE]. I earn 3400 a month."
+    assert not any(verbatim(s, with_placeholders(PROMPT)) for s in PROMPT.spans)
+
+
+def test_span_positions_are_the_tokens_overlapping_a_span(smollm2_lm):
+    tokens = tokenize_prompt(smollm2_lm.tokenizer, TEXT)
+    positions = span_positions(tokens, PROMPT.spans)
+    covered = "".join(tokens.piece(i) for i in positions)
+    for span in PROMPT.spans:
+        assert span.text.replace(" ", "") in covered.replace(" ", "")
+    outside = [i for i in range(len(tokens)) if i not in positions]
+    assert all(not any(s.start < tokens.spans[i][1] and tokens.spans[i][0] < s.end for s in PROMPT.spans)
+               for i in outside)
+    assert any("earn" in tokens.piece(i) for i in outside)
+
+
+def test_points_parse_and_unknown_mechanisms_or_levels_are_refused():
+    assert parse_points("cape-public:4,8; cape:6") == (("cape-public", (4.0, 8.0)), ("cape", (6.0,)))
+    with pytest.raises(ValueError, match="NAME:EPS"):
+        parse_points("cape-public")
+    with pytest.raises(ValueError, match="unknown mechanism"):
+        QualitySetting(points=(("no-such", (1.0,)),))
+    with pytest.raises(ValueError, match="finite"):
+        QualitySetting(points=(("cape", (0.0,)),))
+    with pytest.raises(ValueError, match="n_test"):
+        QualitySetting(n_test=0)
+
+
+def test_the_default_points_cover_every_registered_mechanism():
+    import privlm.baselines
+    import privlm.cape  # noqa: F401
+    from privlm.models.text_mechanisms import text_mechanism_names
+
+    assert {name for name, _ in DEFAULT_POINTS} == set(text_mechanism_names())
+
+
+def test_a_resumed_run_only_keeps_rows_of_the_same_settings():
+    assert QualitySetting().key() == QualitySetting().key()
+    assert QualitySetting(n_test=25).key() != QualitySetting().key()
+
+
+def test_mean_and_error():
+    mean, error = mean_and_error([1.0, 2.0, 3.0])
+    assert mean == 2.0 and error == pytest.approx(1.0 / math.sqrt(3))
+
+
+def _row(method: str, epsilon: float, **values: float) -> dict[str, object]:
+    base = {"method": method, "epsilon": epsilon, "answer_similarity_se": 0.01, "extracted_similarity": math.nan}
+    return base | values
+
+
+def _payload(rows: list[dict[str, object]]) -> dict[str, object]:
+    return {"metadata": {"command": "privlm bench chat-quality", "git_commit": "0" * 40, "seed": 0, "seconds": 60.0,
+                         "sweep": "chat-quality"},
+            "setting": {"max_tokens": 32, "n_tweets": 200}, "logit_bound": {"value": 20.0, "n_texts": 8},
+            "prompts": {"test": 40, "select": 16}, "rows": rows,
+            "selection": {"epsilon": 8.0, "n_prompts": 16, "rule": "r", "chosen": {"tau": 1.0, "top_p": 1.0},
+                          "shipped": {"tau": 1.0, "top_p": 1.0},
+                          "grid": [{"tau": 1.0, "top_p": 1.0, "answer_similarity": 0.4, "span_verbatim": 0.0,
+                                    "released_perplexity": 30.0}]}}
+
+
+def test_the_bar_holds_only_for_a_point_both_private_enough_and_as_close_as_the_control():
+    control = _row("placeholders", math.inf, answer_similarity=0.60, span_verbatim=0.0, spans=100.0)
+    close_but_leaky = _row("cape-public", 32.0, answer_similarity=0.61, span_verbatim=0.20, spans=100.0)
+    private_but_far = _row("cape-public", 8.0, answer_similarity=0.40, span_verbatim=0.0, spans=100.0)
+    assert bar_verdict([control, close_but_leaky, private_but_far])[0] == "does not hold"
+    # 4 of 100 spans is under 5%, but its upper confidence bound is not: not private enough
+    uncertain = _row("cape-public", 16.0, answer_similarity=0.60, span_verbatim=0.04, spans=100.0)
+    assert bar_verdict([control, uncertain])[0] == "does not hold"
+    within_margin = _row("cape-public", 16.0, answer_similarity=0.575, span_verbatim=0.0, spans=100.0)  # 1.96*0.014
+    assert bar_verdict([control, close_but_leaky, within_margin])[0] == "holds"
+
+
+def test_spend_verdict_needs_every_row_exact():
+    exact = _row("cape-public", 8.0, spend_is_perturbed_times_epsilon=True)
+    assert spend_verdict([exact]) == "holds"
+    assert spend_verdict([exact, _row("cape-public", 16.0, spend_is_perturbed_times_epsilon=False)]) == "does not hold"
+    assert spend_verdict([_row("cape", 6.0)]) == "not measured"
+
+
+def test_matched_comparison_reads_both_curves_at_common_attack_levels_with_the_similarity_margin():
+    rows = [_row("cape-public", e, lm_top1=a, answer_similarity=u)
+            for e, a, u in ((4.0, 0.0, 0.30), (16.0, 0.2, 0.50))]
+    rows += [_row("cape", e, lm_top1=a, answer_similarity=u) for e, a, u in ((6.0, 0.0, 0.20), (14.0, 0.2, 0.30))]
+    result = matched(rows, "cape-public", "cape", "answer_similarity")
+    assert result.grid[0] == 0.0 and result.grid[-1] == pytest.approx(0.2)
+    assert result.margins[0] == pytest.approx(1.96 * math.sqrt(2) * 0.01)
+    assert result.verdict == "holds"
+    assert matched(rows, "cape", "cape-public", "answer_similarity").verdict == "does not hold"
+
+
+def test_the_report_renders_from_results_json_alone(tmp_path):
+    rows = [_row("original", math.inf, answer_similarity=1.0, span_verbatim=1.0, unrelated_similarity=0.2,
+                 unrelated_similarity_se=0.01),
+            _row("placeholders", math.inf, answer_similarity=0.6, span_verbatim=0.0, extracted_similarity=0.55),
+            _row("cape-public", 8.0, answer_similarity=0.5, span_verbatim=0.02, lm_top1=0.1,
+                 spend_is_perturbed_times_epsilon=True,
+                 examples=[{"original": TEXT, "sent": "I am Ana Ruiz", "answer": "a", "extracted": "b"}])]
+    files = write_quality_report(tmp_path, _payload(rows))
+    assert {f.name for f in files} >= {"results.json", "results.md", "similarity_vs_attack.png"}
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"][0]["epsilon"] == "inf"  # JSON has no infinity: written as a string, read back
+    markdown = render_quality_report(tmp_path)[0].read_text()
+    assert "**(3) Cape, public context's spend is exactly (perturbed tokens) x epsilon on every request: holds.**" \
+        in markdown
+    assert "not measured" in markdown  # no Cape, CUSTEXT+ or DP-Prompt in this run
+
+
+def test_the_selection_grid_is_checked():
+    with pytest.raises(ValueError, match="select_top_ps"):
+        QualitySetting(select_top_ps=(0.0,))
+    with pytest.raises(ValueError, match="select_taus"):
+        QualitySetting(select_taus=(-1.0,))
+
+
+def test_a_finished_row_is_kept_and_read_back_by_a_resumed_run(tmp_path):
+    from privlm_bench.chat.quality import _keep, _partial
+
+    setting = QualitySetting()
+    path = tmp_path / "partial.jsonl"
+    _keep(path, setting, {"method": "placeholders", "epsilon": math.inf, "answer_similarity": 0.5})
+    _keep(path, setting, {"method": "cape-public", "epsilon": 8.0, "answer_similarity": 0.2})
+    kept = _partial(path, setting.key())
+    assert kept[("placeholders", math.inf)]["answer_similarity"] == 0.5  # infinity survives the round trip
+    assert set(kept) == {("placeholders", math.inf), ("cape-public", 8.0)}
+    assert _partial(path, QualitySetting(n_test=25).key()) == {}  # other settings: nothing kept
+
+
+def test_the_best_private_point_is_the_closest_answer_under_the_bar():
+    from privlm_bench.chat.quality_report import best_private
+
+    rows = [_row("cape-public", 8.0, answer_similarity=0.30, span_verbatim=0.0, spans=100.0),
+            _row("cape-public", 32.0, answer_similarity=0.40, span_verbatim=0.0, spans=100.0),
+            _row("custext-plus", 6.0, answer_similarity=0.55, span_verbatim=0.30, spans=100.0)]
+    assert best_private(rows)["epsilon"] == 32.0  # custext+ answers better but leaks
+    assert best_private(rows[2:]) is None
