@@ -4,6 +4,7 @@ max_new_tokens x eps before any draw, and the report says what was generated."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -80,6 +81,7 @@ def test_the_ledger_is_charged_the_longest_paraphrase_before_any_draw(tmp_path):
     calls: list[float] = []
     forward = dp.device_model.model.forward
 
+    @functools.wraps(forward)  # the spy keeps forward's signature (its cache argument's name)
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(ledger.spent("bob", PrivacyUnit.EPSILON))
         return forward(*args, **kwargs)

@@ -84,6 +84,7 @@ def test_the_default_points_cover_every_registered_mechanism():
 def test_a_resumed_run_only_keeps_rows_of_the_same_settings():
     assert QualitySetting().key() == QualitySetting().key()
     assert QualitySetting(n_test=25).key() != QualitySetting().key()
+    assert QualitySetting(points=(("cape", (6.0,)),)).key() == QualitySetting().key()  # a row is one point
 
 
 def test_mean_and_error():

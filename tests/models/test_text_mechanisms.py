@@ -17,8 +17,8 @@ from privlm.models.text_mechanisms import (
 )
 from tests.models.tiny import tiny_causal_lm
 
-NAMES = ("cape", "cape-distance", "cape-unbucketed", "cape-public", "santext", "santext+", "custext", "custext+",
-         "inferdpt", "text2text", "dp-prompt")
+NAMES = ("cape", "cape-distance", "cape-unbucketed", "cape-public", "cape-public-fast", "santext", "santext+",
+         "custext", "custext+", "inferdpt", "text2text", "dp-prompt")
 METRIC_DP = {"santext", "santext+", "text2text"}  # scale with the embedding distance: charged in eta-tokens
 
 
@@ -28,7 +28,7 @@ def test_every_mechanism_is_listed_cape_first():
     assert {m.name: m.unit for m in text_mechanisms()} == {
         name: PrivacyUnit.ETA_TOKEN if name in METRIC_DP else PrivacyUnit.EPSILON for name in NAMES}
     assert [m.name for m in text_mechanisms() if m.needs_logit_bound] == ["cape", "cape-unbucketed", "dp-prompt"]
-    assert [m.name for m in text_mechanisms() if m.causal_only] == ["cape-public", "dp-prompt"]
+    assert [m.name for m in text_mechanisms() if m.causal_only] == ["cape-public", "cape-public-fast", "dp-prompt"]
     assert [m.name for m in text_mechanisms() if m.rewrites] == ["dp-prompt"]
 
 

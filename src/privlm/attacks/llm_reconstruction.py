@@ -17,7 +17,6 @@ candidates of a position share their left context: one pass over the released se
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ import torch
 
 from privlm._validation import check_positive_int
 from privlm.attacks.results import AttackResult
+from privlm.models.kv_cache import cache_of, with_cache
 
 if TYPE_CHECKING:
     from transformers import Cache
@@ -51,12 +51,6 @@ def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
 
 
-def _cache_name(model: torch.nn.Module) -> str:
-    """The forward argument (and output field) of the key/value cache: ``cache`` since transformers 5 deprecated
-    ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _suffix_log_likelihood(model: torch.nn.Module, cache: Cache, prefix: int, rows: torch.Tensor) -> torch.Tensor:
     """sum_t log p(s_t | prefix, s_<t) over t >= 1 of each row s, the prefix being the first ``prefix`` tokens of
     ``cache`` (one row, left as it is)."""
@@ -64,7 +58,7 @@ def _suffix_log_likelihood(model: torch.nn.Module, cache: Cache, prefix: int, ro
     cache.crop(prefix - cache.get_seq_length())
     cache.batch_repeat_interleave(rows.shape[0])
     mask = torch.ones(rows.shape[0], cache.get_seq_length() + rows.shape[1], dtype=torch.long, device=rows.device)
-    logits = model(input_ids=rows, attention_mask=mask, use_cache=True, **{_cache_name(model): cache}).logits[:, :-1]
+    logits = model(input_ids=rows, attention_mask=mask, use_cache=True, **with_cache(model, cache)).logits[:, :-1]
     return _token_log_probs(logits, rows[:, 1:]).sum(dim=-1)
 
 
@@ -95,7 +89,7 @@ def rank_candidates(model: torch.nn.Module, sequence: Sequence[int], positions: 
         missing = ~(candidates == base[at, None]).any(dim=-1)
         candidates[missing, -1] = base[at][missing]
     scores = prefix[at - 1, None] + left.log_softmax(dim=-1).gather(1, candidates)  # ... + log p(y | prefix)
-    cache = getattr(out, _cache_name(model))
+    cache = cache_of(model, out)
     for row, a in enumerate(at.tolist()):
         kept = candidates[row] == base[a]
         scores[row, kept] = prefix[-1]  # y = r_i: the released sequence, already scored

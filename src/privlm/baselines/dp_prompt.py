@@ -28,6 +28,7 @@ from privlm.mechanisms import ExponentialMechanism, PrivacyUnit
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models import check_texts
 from privlm.models.chat import ChatModel
+from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
     PerturbedPrompt,
@@ -123,8 +124,8 @@ class DPPrompt:
         low, high = self.logit_range
         inputs, cache, out = torch.tensor([ids], device=self.device_model.device), None, []
         for _ in range(limit):
-            output = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = output.past_key_values
+            output = model(input_ids=inputs, use_cache=True, logits_to_keep=1, **with_cache(model, cache))
+            cache = cache_of(model, output)
             token = int(mechanism.sample(output.logits[0, -1].float().clamp(low, high), generator=self.generator))
             out.append(token)
             if token in self.chat.eos_ids:

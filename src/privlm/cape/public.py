@@ -25,6 +25,14 @@ cut into chunks, each released from its own bos.
 
 Cost: one forward pass over the released prefix with a KV cache, in one step per perturbed position; the prompts
 (chunks) of a batch advance together, each step feeding every row its run of tokens since its last draw.
+
+Rounds (``rounds=k``): at most k forward passes, whatever n. The perturbed positions are drawn in rounds: a position's
+round is its index within its run of consecutive perturbed positions, capped at k - 1 (a run's first token in round
+0, its second in round 1, ...). In round r the device model reads the chunk with every position of round >= r
+replaced by a fixed ``placeholder`` token and every earlier round's position as released: public again (the
+non-sensitive tokens, the layout of the perturbed positions, which both are revealed, and earlier outputs), so the
+bound is the same n eps. ``rounds=None`` (the default) is the released-prefix context above: each position its
+own round, in order.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from privlm.mechanisms import BaseMeasureExponentialMechanism, PrivacyUnit
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models import check_texts
 from privlm.models.batching import pad_ids
+from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
     NOTHING_SPENT,
@@ -86,12 +95,35 @@ class _Chunk:
     ids: list[int]
     positions: list[int]  # local, ascending
     released: list[int]
+    rounds: list[int]  # the round of each position (empty without rounds)
+
+
+def run_rounds(positions: Sequence[int], rounds: int) -> list[int]:
+    """Each position's round: its index within its run of consecutive positions, capped at ``rounds`` - 1."""
+    out, index = [], 0
+    for k, position in enumerate(positions):
+        index = index + 1 if k and position == positions[k - 1] + 1 else 0
+        out.append(min(index, rounds - 1))
+    return out
+
+
+def round_query(released: Sequence[int], positions: Sequence[int], rounds_of: Sequence[int], round_: int,
+                placeholder: int) -> Query:
+    """What round ``round_`` reads of a chunk: ``released`` with every position of that round or later replaced by
+    ``placeholder`` (so no private token is read), and the positions it draws."""
+    ids = list(released)
+    for position, r in zip(positions, rounds_of, strict=True):
+        if r >= round_:
+            ids[position] = placeholder
+    return Query(ids=tuple(ids), positions=tuple(p for p, r in zip(positions, rounds_of, strict=True) if r == round_))
 
 
 class PublicContextCape:
     """cape-public on a causal device model. ``epsilon``: per perturbed token (what the ledger is charged per
     token); ``tau`` >= 0 and ``top_p`` in (0, 1]: the public base measure (see the module doc; the defaults,
     tau 2 and top-p 1, are ``privlm bench chat-quality``'s choice on its training prompts);
+    ``rounds``: None (one decode step per perturbed position, on the released prefix) or k >= 1 (at most k forward
+    passes, with ``placeholder``, one token, where a position is not released yet; see the module doc);
     ``generator``: the only source of randomness (OS-seeded when None); ``ledger``: charged
     (perturbed tokens) x epsilon per prompt under ``principal``, before anything is drawn."""
 
@@ -99,7 +131,8 @@ class PublicContextCape:
     unit = PrivacyUnit.EPSILON
 
     def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, tau: float = 2.0,
-                 top_p: float = 1.0, non_sensitive: NonSensitiveTokens | None = None,
+                 top_p: float = 1.0, rounds: int | None = None, placeholder: str = " ___",
+                 non_sensitive: NonSensitiveTokens | None = None,
                  generator: torch.Generator | None = None, ledger: Ledger | None = None, principal: str = "local",
                  batch_size: int = 16, device: str = "auto") -> None:
         self.epsilon = check_epsilon(epsilon)
@@ -107,7 +140,9 @@ class PublicContextCape:
         self.top_p = check_in_interval("top_p", top_p, 0, 1, low_open=True)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        self.batch_size = batch_size
+        if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1):
+            raise ValueError(f"rounds must be None or an integer >= 1, got {rounds!r}")
+        self.batch_size, self.rounds = batch_size, rounds
         self.device_model = (device_model if isinstance(device_model, LanguageModel)
                              else LanguageModel.from_pretrained(device_model, device=device))
         if self.device_model.kind != "causal":
@@ -115,9 +150,16 @@ class PublicContextCape:
                              f"cannot do ({self.device_model.name} is {self.device_model.kind}): use a causal "
                              "device model, or cape, whose masked-LM context is private")
         self.room = context_room(self.device_model)
+        self.placeholder_id = -1 if rounds is None else self._one_token(placeholder)
         self.non_sensitive = non_sensitive or NonSensitiveTokens.english()
         self.generator = resolve_generator(generator, self.device_model.device)
         self.ledger, self.principal = ledger, principal
+
+    def _one_token(self, text: str) -> int:
+        ids = self.device_model.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"the placeholder must be one token of the device model; {text!r} is {len(ids)}")
+        return int(ids[0])
 
     @property
     def vocabulary(self) -> CandidateVocabulary:
@@ -125,7 +167,8 @@ class PublicContextCape:
 
     def __repr__(self) -> str:
         return (f"PublicContextCape({self.device_model.name}, |C|={self.vocabulary.size}, epsilon={self.epsilon:g}, "
-                f"tau={self.tau:g}, top_p={self.top_p:g})")
+                f"tau={self.tau:g}, top_p={self.top_p:g}"
+                + (f", rounds={self.rounds}" if self.rounds is not None else "") + ")")
 
     def mechanism(self, logits: torch.Tensor) -> BaseMeasureExponentialMechanism:
         """The mechanism at positions whose device-model logits over C (given their released prefixes) are
@@ -154,8 +197,9 @@ class PublicContextCape:
         totals = [len(p.sensitive_positions) * self.epsilon for p in prompts]
         spent = charge_prompts(self.ledger, self.principal, self.unit, totals, note=self.name)
         chunks = [chunk for i, p in enumerate(prompts) for chunk in self._chunks(i, p)]
+        release = self._release_chunks if self.rounds is None else self._release_in_rounds
         for start in range(0, len(chunks), self.batch_size):
-            self._release_chunks(chunks[start:start + self.batch_size])
+            release(chunks[start:start + self.batch_size])
         released: list[list[int]] = [[] for _ in prompts]
         for chunk in chunks:
             released[chunk.prompt].extend(chunk.released)
@@ -167,7 +211,9 @@ class PublicContextCape:
         for offset in range(0, max(len(prompt), 1), self.room):
             ids = list(prompt.ids[offset:offset + self.room])
             positions = [i - offset for i in prompt.sensitive_positions if offset <= i < offset + self.room]
-            chunks.append(_Chunk(prompt=index, offset=offset, ids=ids, positions=positions, released=list(ids)))
+            rounds = [] if self.rounds is None else run_rounds(positions, self.rounds)
+            chunks.append(_Chunk(prompt=index, offset=offset, ids=ids, positions=positions, released=list(ids),
+                                 rounds=rounds))
         return chunks
 
     @torch.no_grad()
@@ -177,16 +223,15 @@ class PublicContextCape:
         model, (bos,) = self.device_model, wrapping(self.device_model)[0]
         pad = int(model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else bos)
         cache, mask, seen = None, None, [0] * len(chunks)  # seen: real tokens in the cache, per chunk
-        originals = sorted({c.ids[i] for c in chunks for i in c.positions})
-        similarity = dict(zip(originals, self.similarity(originals), strict=True))  # one row per distinct token
+        similarity = self._similarity_rows(chunks)
         for step in range(max(len(c.positions) for c in chunks)):
             runs = [self._run(c, step, bos) for c in chunks]
             ids, step_mask = _left_padded(runs, pad, model.device)
             mask = step_mask if mask is None else torch.cat([mask, step_mask], dim=1)
             positions = (torch.tensor(seen, device=model.device)[:, None] + step_mask.cumsum(dim=1) - 1).clamp_min(0)
-            out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                              use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                              logits_to_keep=1, **with_cache(model.model, cache))
+            cache = cache_of(model.model, out)
             seen = [n + len(run) for n, run in zip(seen, runs, strict=True)]
             active = [j for j, c in enumerate(chunks) if step < len(c.positions)]
             logits = candidate_columns(out.logits[active, -1], self.vocabulary)
@@ -194,6 +239,27 @@ class PublicContextCape:
             draws = self.mechanism(logits).sample(utility, generator=self.generator)
             for j, draw in zip(active, self.vocabulary.candidate_ids[draws].tolist(), strict=True):
                 chunks[j].released[chunks[j].positions[step]] = int(draw)
+
+    @torch.no_grad()
+    def _release_in_rounds(self, chunks: list[_Chunk]) -> None:
+        """Draw every perturbed position of ``chunks`` in at most ``rounds`` forward passes (one per round, every
+        chunk with a position in that round in it)."""
+        similarity = self._similarity_rows(chunks)
+        for round_ in range(max((max(c.rounds, default=-1) for c in chunks), default=-1) + 1):
+            asked = [(c, round_query(c.released, c.positions, c.rounds, round_, self.placeholder_id)) for c in chunks]
+            asked = [(c, query) for c, query in asked if query.positions]
+            logits = device_logits(self.device_model, [query for _, query in asked])
+            utility = torch.stack([similarity[c.ids[p]] for c, query in asked for p in query.positions])
+            draws = iter(self.vocabulary.candidate_ids[self.mechanism(logits).sample(utility, generator=self.generator)]
+                         .tolist())
+            for c, query in asked:
+                for position in query.positions:
+                    c.released[position] = int(next(draws))
+
+    def _similarity_rows(self, chunks: list[_Chunk]) -> dict[int, torch.Tensor]:
+        """s(x, .) for every distinct original token at a perturbed position of ``chunks``."""
+        originals = sorted({c.ids[i] for c in chunks for i in c.positions})
+        return dict(zip(originals, self.similarity(originals), strict=True))
 
     @staticmethod
     def _run(chunk: _Chunk, step: int, bos: int) -> list[int]:
@@ -226,7 +292,8 @@ class PublicContextCape:
     def position_log_probabilities(self, text: str, released_ids: Sequence[int]) -> tuple[tuple[int, ...],
                                                                                          torch.Tensor]:
         """The perturbed positions of ``text`` and, at each, the mechanism's exact log-probabilities over C
-        (float64) given the released prefix ``released_ids[:i]`` (one teacher-forced forward pass per chunk).
+        (float64) given what it reads of ``released_ids``: the released prefix ``released_ids[:i]`` (one
+        teacher-forced forward pass per chunk), or with rounds, round r's context (one pass per chunk and round).
 
         ``released_ids``: a release of ``text`` (or of a neighbour): one id per token. With them,
         ln P(r | x) = sum over the positions of the row's entry at r_i.
@@ -237,13 +304,21 @@ class PublicContextCape:
         positions = tuple(prompt.sensitive_positions)
         if not positions:
             return positions, torch.zeros((0, self.vocabulary.size), dtype=torch.float64)
-        queries = []
+        queries: list[Query] = []
+        order: list[int] = []  # the prompt position of each logits row
         for offset in range(0, len(prompt), self.room):
-            local = tuple(i - offset for i in positions if offset <= i < offset + self.room)
-            if local:
-                queries.append(Query(ids=tuple(int(i) for i in released_ids[offset:offset + self.room]),
-                                     positions=local))
-        logits = device_logits(self.device_model, queries)
+            local = [i - offset for i in positions if offset <= i < offset + self.room]
+            ids = [int(i) for i in released_ids[offset:offset + self.room]]
+            if not local:
+                continue
+            if self.rounds is None:
+                asked = [Query(ids=tuple(ids), positions=tuple(local))]
+            else:
+                rounds_of = run_rounds(local, self.rounds)
+                asked = [round_query(ids, local, rounds_of, r, self.placeholder_id) for r in range(max(rounds_of) + 1)]
+            queries.extend(asked)
+            order.extend(offset + p for query in asked for p in query.positions)
+        logits = device_logits(self.device_model, queries)[torch.tensor(order).argsort()]
         utility = self.similarity([prompt.ids[i] for i in positions])
         return positions, self.mechanism(logits).log_probabilities(utility)
 

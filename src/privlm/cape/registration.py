@@ -4,6 +4,7 @@
     cape-distance     Cape with lambda_L = 0: embedding distance only, no device-model forward pass
     cape-unbucketed   Cape without bucketing: the plain exponential mechanism on the hybrid utility
     cape-public       privlm's public-context Cape (:mod:`privlm.cape.public`): exactly epsilon per perturbed token
+    cape-public-fast  cape-public in two rounds (two forward passes of the device model, whatever the prompt)
 """
 
 from __future__ import annotations
@@ -51,13 +52,23 @@ _register("cape-unbucketed", "Cape, no buckets", "Cape without bucketing (plain 
           n_buckets=None)
 
 
-def _build_public(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
-                  principal: str) -> TextPerturber:
-    return PublicContextCape(context.device_model, epsilon=epsilon, generator=generator, ledger=ledger,
-                             principal=principal)
+def _public_factory(name: str, options: Mapping[str, Any]) -> Factory:
+    def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
+              principal: str) -> TextPerturber:
+        public = PublicContextCape(context.device_model, epsilon=epsilon, generator=generator, ledger=ledger,
+                                   principal=principal, **options)
+        public.name = name
+        return public
+    return build
 
 
-register_text_mechanism("cape-public", _build_public, label="Cape, public context", family="cape",
-                        unit=PublicContextCape.unit,
-                        description="context from the released prefix: exactly epsilon per perturbed token",
-                        causal_only=True)
+def _register_public(name: str, label: str, description: str, **options: Any) -> None:
+    register_text_mechanism(name, _public_factory(name, options), label=label, family="cape",
+                            unit=PublicContextCape.unit, description=description, options=options, causal_only=True)
+
+
+_register_public("cape-public", "Cape, public context",
+                 "context from the released prefix: exactly epsilon per perturbed token")
+_register_public("cape-public-fast", "Cape, public context, 2 rounds",
+                 "cape-public in two forward passes: a run's first token read on the public skeleton, the rest "
+                 "on it and the first tokens as released; exactly epsilon per perturbed token", rounds=2)

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 # What a chat epsilon is, for every command that takes one (its unit is the mechanism's: they print it).
 EPSILON_HELP = "Epsilon per perturbed token, on the mechanism's own scale."
 # The registry's names (a test keeps them equal), written out so that --help needs no model code loaded.
-MECHANISM_NAMES = ("cape, cape-distance, cape-unbucketed, cape-public, santext, santext+, custext, custext+, inferdpt, "
-                   "text2text, dp-prompt")
+MECHANISM_NAMES = ("cape, cape-distance, cape-unbucketed, cape-public, cape-public-fast, santext, santext+, custext, "
+                   "custext+, inferdpt, text2text, dp-prompt")
 
 def require_logit_bound(mechanism: TextMechanism, logit_bound: Path | None) -> None:
     """Refuse, before any model loads, a mechanism that reads Cape's B when no --logit-bound is given."""

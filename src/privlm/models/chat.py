@@ -23,6 +23,7 @@ import torch
 
 from privlm._validation import check_in_interval
 from privlm.mechanisms.randomness import resolve_generator
+from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
 
 ChatRole = Literal["system", "user", "assistant"]
@@ -189,8 +190,8 @@ class ChatModel:
         with torch.inference_mode():
             inputs, past = torch.tensor([prompt], device=self.device), None
             for _ in range(options.max_tokens):
-                output = model(input_ids=inputs, past_key_values=past, use_cache=True)
-                past = output.past_key_values
+                output = model(input_ids=inputs, use_cache=True, **with_cache(model, past))
+                past = cache_of(model, output)
                 token = next_token(output.logits[0, -1], temperature=options.temperature, top_p=options.top_p,
                                    generator=generator)
                 completion.append(token)

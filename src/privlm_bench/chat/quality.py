@@ -86,7 +86,8 @@ ORIGINAL, PLACEHOLDERS = "original", "placeholders"
 DEFAULT_POINTS: tuple[tuple[str, tuple[float, ...]], ...] = (
     ("cape-public", (8.0, 16.0, 32.0, 64.0)), ("cape", (6.0, 14.0)), ("custext+", (2.0, 6.0)),
     ("dp-prompt", (100.0, 200.0)), ("cape-distance", (6.0,)), ("cape-unbucketed", (14.0,)), ("custext", (6.0,)),
-    ("santext+", (6.0,)), ("santext", (6.0,)), ("inferdpt", (14.0,)), ("text2text", (20.0,)))
+    ("santext+", (6.0,)), ("santext", (6.0,)), ("inferdpt", (14.0,)), ("text2text", (20.0,)),
+    ("cape-public-fast", (16.0, 64.0)))
 SELECT_TAUS = (0.5, 1.0, 2.0)
 SELECT_TOP_PS = (0.9, 1.0)
 VERBATIM_GOAL = 0.05  # the issue's bar: at most 5% of personal spans verbatim
@@ -130,8 +131,10 @@ class QualitySetting:
                 raise ValueError(f"{mechanism}: epsilons must be finite and > 0, got {epsilons}")
 
     def key(self) -> str:
-        """What a resumed run must share with the partial rows it keeps."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """What a resumed run must share with the partial rows it keeps: every setting but the points (a row is one
+        point, so a run may add points to a partial one)."""
+        shared = {name: value for name, value in asdict(self).items() if name != "points"}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_points(spec: str) -> tuple[tuple[str, tuple[float, ...]], ...]:

@@ -33,6 +33,8 @@ def bench_cape(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda (int8 needs the CPU).")] = "auto",
     skip_speed: Annotated[bool, typer.Option("--skip-speed", help="Skip the speed measurements (speed.json).")
                           ] = False,
+    speed_only: Annotated[bool, typer.Option("--speed-only", help="Only the speed measurements (speed.json); "
+                                             "results.json and claims.md stay as they are.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points an interrupted run finished.")] = False,
 ) -> None:
     """Cape vs its ablations and SANTEXT(+), CUSTEXT(+), InferDPT, Text2Text: utility, attacks, claims, speed.
@@ -58,11 +60,15 @@ def bench_cape(
         raise typer.BadParameter(str(error)) from None
     with console.status("Loading the models and data, training the clean classifier, calibrating B..."):
         bench = CapeBench(setting)
+    if skip_speed and speed_only:
+        raise typer.BadParameter("--skip-speed and --speed-only leave nothing to do")
     if not skip_speed:
         with console.status("Measuring setup and perturbation times side by side..."):
             figures = measure_speed(bench, console=console)
         write_speed(out, figures, seed=seed)
         console.print((out / "speed.md").read_text())
+    if speed_only:
+        return
     sweep = cape_sweep(setting, bench=bench)
     report = run_sweep(sweep, out_dir=out, seed=seed, console=console, resume=resume)
     extra = registered_sweep("cape").extra_reports(out)

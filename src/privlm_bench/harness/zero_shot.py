@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from privlm._validation import check_positive_int
 from privlm.models.batching import length_sorted_batches
+from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
 
 CAPE_SYSTEM_PROMPT = ("You are a helpful assistant. Classify if the sentence is positive or negative sentiment. "
@@ -91,8 +92,8 @@ class ZeroShotClassifier:
         prefix = ids[0][: _shared_prefix_length(ids)]
         out = np.empty(len(ids), dtype=np.float64)
         with torch.inference_mode():
-            cache = self.model.model(input_ids=torch.tensor([prefix], device=self.model.device),
-                                     use_cache=True).past_key_values
+            hf = self.model.model
+            cache = cache_of(hf, hf(input_ids=torch.tensor([prefix], device=self.model.device), use_cache=True))
             for indices in length_sorted_batches(prompts, self.batch_size):
                 out[indices] = self._score_batch([ids[i][len(prefix):] for i in indices], cache, len(prefix))
         return out
@@ -109,8 +110,8 @@ class ZeroShotClassifier:
         cache = copy.deepcopy(prefix_cache)
         cache.batch_repeat_interleave(n)
         full_mask = torch.cat([torch.ones((n, prefix_length), dtype=torch.long, device=device), mask], dim=1)
-        hidden = hf.base_model(input_ids=input_ids, attention_mask=full_mask, past_key_values=cache,
-                               use_cache=True).last_hidden_state
+        hidden = hf.base_model(input_ids=input_ids, attention_mask=full_mask, use_cache=True,
+                               **with_cache(hf.base_model, cache)).last_hidden_state
         last = hidden[torch.arange(n, device=device), mask.sum(dim=1) - 1]  # predicts the first answer token
         answer = hf.get_output_embeddings()(last)[:, list(self.answer_ids)].double()  # the LM head on n rows only
         return (answer[:, 1] - answer[:, 0]).cpu().numpy()
