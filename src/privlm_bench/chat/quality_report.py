@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 from privlm.attacks import AttackResult
 from privlm.models.text_mechanisms import text_mechanism
 from privlm_bench.cape.claims import TradeOff, Z, tradeoff
+from privlm_bench.harness.json_values import from_json, to_json
 from privlm_bench.harness.report import markdown_table
 
 Row = dict[str, Any]
@@ -318,38 +319,16 @@ def write_plots(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------- files
-def _safe(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, np.floating | np.integer):
-        return _safe(value.item())
-    if isinstance(value, Mapping):
-        return {k: _safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_safe(v) for v in value]
-    return value
-
-
-def _load(value: object) -> object:
-    if value in ("inf", "nan", "-inf"):
-        return float(str(value))
-    if isinstance(value, dict):
-        return {k: _load(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_load(v) for v in value]
-    return value
-
-
 def write_quality_report(out_dir: Path, payload: Mapping[str, Any]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.json"
-    results.write_text(json.dumps(_safe(payload), indent=2) + "\n")
+    results.write_text(json.dumps(to_json(payload), indent=2) + "\n")
     return [results, *render_quality_report(out_dir)]
 
 
 def render_quality_report(out_dir: Path) -> list[Path]:
     """results.md and the plots from results.json alone."""
-    payload: Any = _load(json.loads((out_dir / "results.json").read_text()))
+    payload: Any = from_json(json.loads((out_dir / "results.json").read_text()))
     markdown = out_dir / "results.md"
     markdown.write_text(quality_markdown(payload))
     return [markdown, *write_plots(out_dir, payload["rows"])]

@@ -12,7 +12,6 @@ hold labels in their rows; :func:`load_results` maps them back to keys with the 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from privlm.provenance import provenance
+from privlm_bench.harness.json_values import from_json, to_json
 from privlm_bench.harness.report import markdown_report, plot_privacy_utility
 
 
@@ -89,12 +89,6 @@ def _level(value: object) -> float:
     return float(value)
 
 
-def _json_safe(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf" / "nan": JSON has no such numbers
-    return value
-
-
 def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None = None,
               command: list[str] | None = None, resume: bool = False) -> BenchReport:
     """Evaluate every point; with ``resume``, keep the points a crashed run already finished."""
@@ -122,14 +116,14 @@ def run_sweep(sweep: Sweep, *, out_dir: Path, seed: int, console: Console | None
             rows.append({"task": point.task, "method": point.method, sweep.level_name: point.level,
                          **metrics, "seconds": round(time.perf_counter() - t0, 2)})
             with partial.open("a") as file:  # one line per finished point, so a crash loses one point only
-                file.write(json.dumps({k: _json_safe(v) for k, v in rows[-1].items()}) + "\n")
+                file.write(json.dumps({k: to_json(v) for k, v in rows[-1].items()}) + "\n")
             progress.advance(overall)
     partial.unlink(missing_ok=True)
     order = {(p.task, p.method, p.level): i for i, p in enumerate(sweep.points())}
     rows.sort(key=lambda r: order[(str(r["task"]), str(r["method"]), _level(r[sweep.level_name]))])
     meta["wall_seconds"] = round(time.perf_counter() - started, 1)
     files = [out_dir / "results.json", out_dir / "results.md"]
-    payload = {"metadata": meta, "rows": [{k: _json_safe(v) for k, v in row.items()} for row in rows]}
+    payload = {"metadata": meta, "rows": [{k: to_json(v) for k, v in row.items()} for row in rows]}
     meta |= {"utility_metric": sweep.utility_metric, "attack_metric": sweep.attack_metric}
     files[0].write_text(json.dumps(payload, indent=2) + "\n")
     return BenchReport(directory=out_dir, rows=rows, files=files[:1] + render_report(out_dir))
@@ -139,12 +133,8 @@ def _resumable_rows(partial: Path, sweep: Sweep) -> list[dict[str, object]]:
     if not partial.exists():
         return []
     wanted = {(p.task, p.method, p.level) for p in sweep.points()}
-    rows = [{k: _from_json(v) for k, v in json.loads(line).items()} for line in partial.read_text().splitlines()]
+    rows = [{k: from_json(v) for k, v in json.loads(line).items()} for line in partial.read_text().splitlines()]
     return [r for r in rows if (r["task"], r["method"], r[sweep.level_name]) in wanted]
-
-
-def _from_json(value: object) -> object:
-    return float(value) if value in ("inf", "-inf", "nan") else value
 
 
 Row = dict[str, object]
@@ -167,7 +157,7 @@ def load_results(out_dir: Path, *, known: Sequence[Method] = ()) -> Results:
     """``out_dir/results.json`` with "inf"/"nan" back as floats. ``known`` maps the labels that files
     written before method keys hold in their rows back to keys."""
     payload = json.loads((out_dir / "results.json").read_text())
-    meta, rows = payload["metadata"], [{k: _from_json(v) for k, v in row.items()} for row in payload["rows"]]
+    meta, rows = payload["metadata"], [{k: from_json(v) for k, v in row.items()} for row in payload["rows"]]
     labels = meta.get("methods")
     if labels is None:
         by_label = {m.label: m.key for m in (NON_PRIVATE, *known)}

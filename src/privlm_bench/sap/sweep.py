@@ -103,6 +103,7 @@ from privlm.sap.centralised import fine_tune_centralised
 from privlm.sap.config import HeadPlacement
 from privlm.sap.messages import CustomerMessage
 from privlm_bench.data import Splits, load_tweets, split_dataset
+from privlm_bench.harness.json_values import to_json
 from privlm_bench.harness.report import markdown_table
 
 AIRLINES = ("united", "usairways", "americanair", "southwestair", "jetblue", "virginamerica")
@@ -654,16 +655,6 @@ def verdicts(runs: Sequence[Mapping[str, Any]], *, accuracy_margin: float = 0.01
 # ---------------------------------------------------------------------------------------------- reports
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _fmt(value: Any, digits: int = 3) -> str:
     if value is None:
         return "-"
@@ -786,7 +777,7 @@ def write_sap_report(out_dir: Path, payload: Mapping[str, Any]) -> list[Path]:
     """results.json, results.md and privacy_utility.png in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "results.json", out_dir / "results.md", out_dir / "privacy_utility.png"]
-    files[0].write_text(json.dumps(_json_safe(payload), indent=2) + "\n")
+    files[0].write_text(json.dumps(to_json(payload), indent=2) + "\n")
     files[1].write_text(sap_markdown(payload))
     plot_sap(payload, files[2])
     return files
@@ -845,7 +836,7 @@ def run_sap_bench(setting: SapBenchSetting, out_dir: Path, console: Console | No
                 progress.update(overall, description=f"sap: {name}: {what}")
             records[spec.name] = bench.run(spec, phase)
             with (out_dir / PARTIAL).open("a") as file:
-                file.write(json.dumps(_json_safe(records[spec.name])) + "\n")
+                file.write(json.dumps(to_json(records[spec.name])) + "\n")
             progress.advance(overall)
     runs = [records[spec.name] for spec in specs]
     payload = {
