@@ -180,16 +180,22 @@ def pivot(rows: Sequence[Row], labels: Mapping[str, str], metric: str) -> list[s
     return lines
 
 
+def verdict_counts(t: TradeOff, levels: str) -> str:
+    """"**verdict** at n ``levels`` in [a, b] (.. better, .. worse, .. within the margin; mean difference d" (the
+    caller closes the bracket): a trade-off's verdict and what it rests on, one sentence for every report."""
+    return (f"**{t.verdict}** at {len(t.grid)} {levels} in [{t.grid[0]:.3f}, {t.grid[-1]:.3f}] ({t.better} better, "
+            f"{t.worse} worse, {len(t.grid) - t.better - t.worse} within the margin; mean difference "
+            f"{float(np.mean(t.differences)):+.3f}")
+
+
 def _tradeoff_lines(t: TradeOff, labels: Mapping[str, str]) -> list[str]:
     ours, other = labels.get(t.ours, t.ours), labels.get(t.other, t.other)
     (a_low, a_high), (b_low, b_high) = t.ranges
     if not t.grid:
         return [f"- {ours} vs {other} on {t.utility}: **not measurable**: attack success spans "
                 f"[{_f(a_low)}, {_f(a_high)}] for {ours} and [{_f(b_low)}, {_f(b_high)}] for {other}; no common level."]
-    lines = [f"- {ours} vs {other} on {t.utility}: **{t.verdict}** at {len(t.grid)} attack levels in "
-             f"[{t.grid[0]:.3f}, {t.grid[-1]:.3f}] ({t.better} better, {t.worse} worse, "
-             f"{len(t.grid) - t.better - t.worse} within the margin; mean difference "
-             f"{float(np.mean(t.differences)):+.3f}). {ours} spans [{_f(a_low)}, {_f(a_high)}], "
+    lines = [f"- {ours} vs {other} on {t.utility}: {verdict_counts(t, 'attack levels')}). "
+             f"{ours} spans [{_f(a_low)}, {_f(a_high)}], "
              f"{other} [{_f(b_low)}, {_f(b_high)}]; the widest step between measured attack levels, read by "
              f"straight lines, is {_f(t.steps[0])} for {ours} and {_f(t.steps[1])} for {other}.", "",
              f"  | {t.attack} | {ours} | {other} | difference | margin |", "  |---|---|---|---|---|"]

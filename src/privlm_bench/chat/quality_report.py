@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 
 from privlm.attacks import AttackResult
 from privlm.models.text_mechanisms import text_mechanism
-from privlm_bench.cape.claims import TradeOff, Z, tradeoff
+from privlm_bench.cape.claims import TradeOff, Z, tradeoff, verdict_counts
 from privlm_bench.harness.json_values import from_json, to_json
 from privlm_bench.harness.report import markdown_table
 
@@ -157,10 +157,7 @@ def comparison_lines(rows: Sequence[Row]) -> list[str]:
                     lines.append(f"{head}: **not measurable**: {AXES[attack]} spans [{_f(a_low)}, {_f(a_high)}] and "
                                  f"[{_f(b_low)}, {_f(b_high)}] (no common level, or no margin).")
                     continue
-                lines.append(f"{head}: **{t.verdict}** at {len(t.grid)} levels in [{t.grid[0]:.3f}, "
-                             f"{t.grid[-1]:.3f}] ({t.better} better, {t.worse} worse, "
-                             f"{len(t.grid) - t.better - t.worse} within the margin; mean difference "
-                             f"{float(np.mean(t.differences)):+.3f}, margin {_f(float(np.mean(t.margins)))}).")
+                lines.append(f"{head}: {verdict_counts(t, 'levels')}, margin {_f(float(np.mean(t.margins)))}).")
     return lines
 
 
