@@ -69,12 +69,12 @@ from privlm.cape.utility import wrapping
 from privlm.mechanisms import make_generator
 from privlm.models.chat import ChatModel
 from privlm.models.language import LanguageModel
-from privlm.models.perturbation import PerturbedPrompt, TokenOutcome
+from privlm.models.perturbation import PerturbedPrompt
 from privlm.models.prompts import NonSensitiveTokens, PromptTokens, tokenize_prompt
 from privlm.models.text_mechanisms import MechanismContext, text_mechanism
 from privlm.provenance import provenance
 from privlm.service.process import free_port
-from privlm_bench.cape.sweep import CapeBench, CapeSetting
+from privlm_bench.cape.sweep import CapeBench, CapeSetting, TokenView
 from privlm_bench.chat.load import CALIBRATION_PROMPTS, running, serve_llm_args
 from privlm_bench.chat.quality_prompts import PROMPTS_FILE, QualityPrompt, Span, read_prompts
 from privlm_bench.harness.probes import classification_metrics
@@ -299,18 +299,14 @@ class QualityBench:
             hits = [x for row in found for x in row]
             return {"lm_top1": float(np.mean(hits)), "lm_top10": math.nan, "lm_trials": float(len(hits)),
                     "knn_success": math.nan}
-        original = [[r.original_id for r in p.report.tokens] for p in released]
-        sent = [[r.released_id for r in p.report.tokens] for p in released]
-        if [len(o) for o in original] != [len(t) for t in tokens]:
+        view = TokenView.of(released)
+        if [len(o) for o in view.original] != [len(t) for t in tokens]:
             raise ValueError("a mechanism's report does not hold one record per token of the prompt")
-        through = [[r.outcome is not TokenOutcome.NON_SENSITIVE for r in p.report.tokens] for p in released]
         attacked = [self._draw([i for i in w if flags[i]], self.setting.attack_positions, "attack", k)
-                    for k, (w, flags) in enumerate(zip(where, through, strict=True))]
-        result = llm_reconstruction(original, sent, attacked, self.lm.model, start_id=self.start_id,
+                    for k, (w, flags) in enumerate(zip(where, view.through, strict=True))]
+        result = llm_reconstruction(view.original, view.released, attacked, self.lm.model, start_id=self.start_id,
                                     excluded=self.special, shortlist=self.setting.shortlist, top=self.setting.top)
-        pairs = [(r, o) for rs, os_, fs in zip(sent, original, through, strict=True)
-                 for r, o, f in zip(rs, os_, fs, strict=True) if f]
-        knn = self.tweets.knn.attack(torch.tensor([r for r, _ in pairs]), torch.tensor([o for _, o in pairs]))
+        knn = self.tweets.knn.attack(*view.flat(view.through))
         return {"lm_top1": result.top1.rate, "lm_top10": result.topk.rate, "lm_trials": float(result.top1.trials),
                 "knn_success": knn.rate}
 
