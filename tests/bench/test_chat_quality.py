@@ -125,6 +125,8 @@ def test_spend_verdict_needs_every_row_exact():
     assert spend_verdict([exact]) == "holds"
     assert spend_verdict([exact, _row("cape-public", 16.0, spend_is_perturbed_times_epsilon=False)]) == "does not hold"
     assert spend_verdict([_row("cape", 6.0)]) == "not measured"
+    assert spend_verdict([exact, _row("cape-public-fast", 8.0, spend_is_perturbed_times_epsilon=False)]) \
+        == "does not hold"  # cape-public-fast's rows are held to it too
 
 
 def test_matched_comparison_reads_both_curves_at_common_attack_levels_with_the_similarity_margin():
@@ -150,9 +152,10 @@ def test_the_report_renders_from_results_json_alone(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"][0]["epsilon"] == "inf"  # JSON has no infinity: written as a string, read back
     markdown = render_quality_report(tmp_path)[0].read_text()
-    assert "**(3) Cape, public context's spend is exactly (perturbed tokens) x epsilon on every request: holds.**" \
-        in markdown
+    assert ("**(3) The spend of Cape, public context and Cape, public context, 2 rounds is exactly (perturbed tokens) "
+            "x epsilon on every request: holds.**") in markdown
     assert "not measured" in markdown  # no Cape, CUSTEXT+ or DP-Prompt in this run
+    assert "**not measured**: Cape, public context, 2 rounds is missing from this run." in markdown  # verdict (5)
 
 
 def test_the_selection_grid_is_checked():

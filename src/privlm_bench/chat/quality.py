@@ -87,7 +87,7 @@ DEFAULT_POINTS: tuple[tuple[str, tuple[float, ...]], ...] = (
     ("cape-public", (8.0, 16.0, 32.0, 64.0)), ("cape", (6.0, 14.0)), ("custext+", (2.0, 6.0)),
     ("dp-prompt", (100.0, 200.0)), ("cape-distance", (6.0,)), ("cape-unbucketed", (14.0,)), ("custext", (6.0,)),
     ("santext+", (6.0,)), ("santext", (6.0,)), ("inferdpt", (14.0,)), ("text2text", (20.0,)),
-    ("cape-public-fast", (16.0, 64.0)))
+    ("cape-public-fast", (8.0, 16.0, 32.0)))
 SELECT_TAUS = (0.5, 1.0, 2.0)
 SELECT_TOP_PS = (0.9, 1.0)
 VERBATIM_GOAL = 0.05  # the bar: at most 5% of personal spans verbatim

@@ -12,8 +12,11 @@ Verdicts, each computed from the rows:
     (:func:`privlm_bench.cape.claims.tradeoff`: straight lines between measured points, compared at common attack
     levels). The margin of a similarity difference is 1.96 times the root sum of squares of the two points'
     standard errors (the largest of each curve); for AUC, Hanley and McNeil's.
-(3) cape-public's spend: every request's reported spend is exactly (perturbed tokens) x epsilon.
+(3) cape-public's spend (and cape-public-fast's): every request's reported spend is exactly (perturbed tokens) x
+    epsilon.
 (4) The extraction: whether the gateway's ``--extract`` moves answers closer to the original's, per mechanism.
+(5) cape-public-fast (two rounds, two forward passes) against cape-public (one decode step per perturbed token):
+    what the speed costs in answer similarity at matched attack success, read as (2).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from privlm_bench.harness.report import markdown_table
 Row = dict[str, Any]
 OURS = "cape-public"
 RIVALS = ("cape", "custext-plus", "dp-prompt")
+FAST = "cape-public-fast"  # compared with OURS in verdict (5)
+EXACT_SPEND = (OURS, FAST)  # verdict (3)
 ATTACK = "lm_top1"
 ORIGINAL, PLACEHOLDERS = "original", "placeholders"
 GOAL = 0.05
@@ -141,18 +146,18 @@ def _axes(method: str) -> list[str]:
     return ["span_verbatim"] if rewrites else [ATTACK, "knn_success", "span_verbatim"]
 
 
-def comparison_lines(rows: Sequence[Row]) -> list[str]:
+def comparison_lines(rows: Sequence[Row], ours: str = OURS, rivals: Sequence[str] = RIVALS) -> list[str]:
     present = {str(r["method"]) for r in rows}
-    if OURS not in present:
-        return [f"**not measured**: {label(OURS)} is missing from this run."]
-    lines = [f"- {label(OURS)} vs {label(o)}: **not measured**: missing from this run." for o in RIVALS
+    if ours not in present:
+        return [f"**not measured**: {label(ours)} is missing from this run."]
+    lines = [f"- {label(ours)} vs {label(o)}: **not measured**: missing from this run." for o in rivals
              if o not in present]
-    for other in (o for o in RIVALS if o in present):
+    for other in (o for o in rivals if o in present):
         for attack in _axes(other):
             for utility, name in UTILITIES.items():
-                t = matched(rows, OURS, other, utility, attack)
+                t = matched(rows, ours, other, utility, attack)
                 (a_low, a_high), (b_low, b_high) = t.ranges
-                head = f"- {label(OURS)} vs {label(other)}, {name} at matched {AXES[attack]}"
+                head = f"- {label(ours)} vs {label(other)}, {name} at matched {AXES[attack]}"
                 if not t.grid:
                     lines.append(f"{head}: **not measurable**: {AXES[attack]} spans [{_f(a_low)}, {_f(a_high)}] and "
                                  f"[{_f(b_low)}, {_f(b_high)}] (no common level, or no margin).")
@@ -171,7 +176,7 @@ def _best_lines(rows: Sequence[Row]) -> list[str]:
 
 
 def spend_verdict(rows: Sequence[Row]) -> str:
-    ours = [r for r in rows if r["method"] == OURS]
+    ours = [r for r in rows if r["method"] in EXACT_SPEND]
     if not ours:
         return "not measured"
     return "holds" if all(r.get("spend_is_perturbed_times_epsilon") is True for r in ours) else "does not hold"
@@ -256,12 +261,14 @@ def quality_markdown(payload: Mapping[str, Any]) -> str:
         "another measure (the share of span token ids found anywhere in the paraphrase, case and word boundaries "
         "ignored), not compared; it is compared at matched spans verbatim, which every row measures on what the "
         "gateway sent.", "",
-        f"**(3) {label(OURS)}'s spend is exactly (perturbed tokens) x epsilon on every request: "
-        f"{spend_verdict(rows)}.**", "",
+        f"**(3) The spend of {label(OURS)} and {label(FAST)} is exactly (perturbed tokens) x epsilon on every "
+        f"request: {spend_verdict(rows)}.**", "",
         "**(4) The gateway's extraction (--extract), change in answer similarity:** "
         + "; ".join(extraction_lines(rows)) + ".", "",
         f"The placeholder control: {_f(_n(control, 'answer_similarity'))} answer similarity, "
         f"{_f(_n(control, 'extracted_similarity'))} after extraction.", "",
+        f"**(5) {label(FAST)} (two forward passes) against {label(OURS)} (a decode step per perturbed token), at "
+        "matched attack success:**", "", *comparison_lines(rows, FAST, (OURS,)), "",
         "## cape-public's tau and top-p", "", *selection_lines(payload["selection"]), "",
         "## Examples", "",
     ]
