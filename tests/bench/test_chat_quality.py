@@ -29,6 +29,7 @@ from privlm_bench.chat.quality_report import (
     spend_verdict,
     write_quality_report,
 )
+from privlm_bench.harness.json_values import to_json
 
 TEXT = "I am Maria Gonzalez, 34, from Seattle. I earn 3400 a month."
 PROMPT = QualityPrompt(TEXT, (Span(5, 19, "name", "Maria Gonzalez"), Span(21, 23, "age", "34"),
@@ -176,6 +177,19 @@ def test_a_finished_row_is_kept_and_read_back_by_a_resumed_run(tmp_path):
     assert kept[("placeholders", math.inf)]["answer_similarity"] == 0.5  # infinity survives the round trip
     assert set(kept) == {("placeholders", math.inf), ("cape-public", 8.0)}
     assert _partial(path, QualitySetting(n_test=25).key()) == {}  # other settings: nothing kept
+
+
+def test_a_resumed_run_keeps_a_finished_runs_rows_under_the_same_settings_whatever_its_points(tmp_path):
+    from dataclasses import asdict
+
+    from privlm_bench.chat.quality import _finished
+
+    ran = QualitySetting(points=(("cape", (6.0,)),))
+    rows = [_row("original", math.inf, answer_similarity=1.0), _row("cape", 6.0, answer_similarity=0.3)]
+    (tmp_path / "results.json").write_text(json.dumps(to_json({"setting": asdict(ran), "rows": rows})))
+    kept = _finished(tmp_path, QualitySetting(points=(("cape", (6.0, 14.0)),)))  # a point added
+    assert set(kept) == {("cape", 6.0)}  # the original prompt's row is always redone
+    assert _finished(tmp_path, QualitySetting(n_test=25)) == {}  # other settings: nothing kept
 
 
 def test_the_best_private_point_is_the_closest_answer_under_the_bar():

@@ -77,6 +77,7 @@ from privlm.service.process import free_port
 from privlm_bench.cape.sweep import CapeBench, CapeSetting, TokenView
 from privlm_bench.chat.load import CALIBRATION_PROMPTS, running, serve_llm_args
 from privlm_bench.chat.quality_prompts import PROMPTS_FILE, QualityPrompt, Span, read_prompts
+from privlm_bench.harness.json_values import from_json
 from privlm_bench.harness.probes import classification_metrics
 
 NAME = "chat-quality"
@@ -408,6 +409,25 @@ def _partial(path: Path, key: str) -> dict[tuple[str, float], dict[str, Any]]:
     return {(r["method"], float(r["epsilon"])): r for r in rows if r.get("setting_key") == key}
 
 
+def _finished(out_dir: Path, setting: QualitySetting) -> dict[tuple[str, float], dict[str, Any]]:
+    """The rows a resumed run keeps: those of ``results.json`` when it was run with the same settings (but perhaps
+    other points), then those of ``partial.jsonl`` (a run cut short); the original prompt's row is always redone."""
+    done: dict[tuple[str, float], dict[str, Any]] = {}
+    results = out_dir / "results.json"
+    if results.exists():
+        payload: Any = from_json(json.loads(results.read_text()))
+        if QualitySetting(**_setting_fields(payload["setting"])).key() == setting.key():
+            done = {(r["method"], float(r["epsilon"])): r for r in payload["rows"] if r["method"] != ORIGINAL}
+    return done | _partial(out_dir / "partial.jsonl", setting.key())
+
+
+def _setting_fields(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved setting (JSON lists) as :class:`QualitySetting`'s fields (tuples)."""
+    fields = {name: tuple(value) if isinstance(value, list) else value for name, value in saved.items()}
+    fields["points"] = tuple((name, tuple(epsilons)) for name, epsilons in saved["points"])
+    return fields
+
+
 def run_quality_bench(setting: QualitySetting, out_dir: Path, console: Console, *, resume: bool = False,
                       select_only: bool = False) -> list[Path]:
     """The whole benchmark; writes results.json, results.md and the plots in ``out_dir``."""
@@ -427,9 +447,10 @@ def _run(setting: QualitySetting, out_dir: Path, work: Path, console: Console, *
 
     out_dir.mkdir(parents=True, exist_ok=True)
     partial_path = out_dir / "partial.jsonl"
-    done = _partial(partial_path, setting.key()) if resume else {}
-    if not resume:
-        partial_path.unlink(missing_ok=True)
+    done = _finished(out_dir, setting) if resume else {}
+    partial_path.unlink(missing_ok=True)
+    for row in done.values():  # rewritten whole, so that a resumed run cut short loses nothing it kept
+        _keep(partial_path, setting, row)
     bench = QualityBench(setting, work, log)
     port = free_port()
     llm_url = f"http://127.0.0.1:{port}"
