@@ -89,6 +89,10 @@ def test_cli_refuses_an_unknown_mechanism_before_loading_anything():
     result = CliRunner().invoke(app, ["bench", "cape", "--mechanisms", "cape,nope"])
     assert result.exit_code != 0
     assert "unknown mechanism 'nope'" in result.output
+    result = CliRunner().invoke(app, ["bench", "cape", "--mechanisms", "cape,dp-prompt"])
+    assert result.exit_code != 0 and "privlm bench chat-quality" in result.output  # a paraphrase: no token attacks
+    with pytest.raises(ValueError, match="rewrite"):
+        CapeSetting(mechanisms=("dp-prompt",))
 
 
 def test_every_mechanism_builds_on_the_device_models_vocabulary_and_perturbs(smollm2_lm):

@@ -157,6 +157,7 @@ def test_the_report_renders_from_results_json_alone(tmp_path):
             "x epsilon on every request: holds.**") in markdown
     assert "not measured" in markdown  # no Cape, CUSTEXT+ or DP-Prompt in this run
     assert "**not measured**: Cape, public context, 2 rounds is missing from this run." in markdown  # verdict (5)
+    assert "What the rounds cost: not measured." in markdown
 
 
 def test_the_selection_grid_is_checked():
@@ -177,6 +178,19 @@ def test_a_finished_row_is_kept_and_read_back_by_a_resumed_run(tmp_path):
     assert kept[("placeholders", math.inf)]["answer_similarity"] == 0.5  # infinity survives the round trip
     assert set(kept) == {("placeholders", math.inf), ("cape-public", 8.0)}
     assert _partial(path, QualitySetting(n_test=25).key()) == {}  # other settings: nothing kept
+
+
+def test_what_the_rounds_cost_counts_the_levels_where_they_answer_worse():
+    from privlm_bench.chat.quality_report import fast_cost_line
+
+    public = [_row("cape-public", e, lm_top1=a, knn_success=a, span_verbatim=a, answer_similarity=0.5)
+              for e, a in ((8.0, 0.0), (16.0, 0.2))]
+    same = [_row("cape-public-fast", e, lm_top1=a, knn_success=a, span_verbatim=a, answer_similarity=0.5)
+            for e, a in ((8.0, 0.0), (16.0, 0.2))]
+    worse = [r | {"answer_similarity": 0.3} for r in same]
+    assert fast_cost_line(public + same).endswith("worse beyond the margin at 0 of 27 matched levels, better at 0: "
+                                                  "no cost this run can show.")
+    assert "worse beyond the margin at 27 of 27" in fast_cost_line(public + worse)
 
 
 def test_a_resumed_run_keeps_a_finished_runs_rows_under_the_same_settings_whatever_its_points(tmp_path):

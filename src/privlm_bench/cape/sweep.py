@@ -122,6 +122,11 @@ class CapeSetting:
                 raise ValueError(f"{name} must be a non-negative integer (0 turns it off), got {value!r}")
         if not self.epsilons or any(not (math.isfinite(e) and e > 0) for e in (*self.epsilons, *self.int8_epsilons)):
             raise ValueError(f"epsilons must be finite and > 0, got {self.epsilons} and {self.int8_epsilons}")
+        rewriting = [m.name for m in text_mechanisms(self.mechanisms) if m.rewrites]
+        if rewriting:
+            raise ValueError(f"{', '.join(rewriting)} rewrite(s) the prompt, so no released token stands for an "
+                             "original one and this benchmark's token attacks do not apply: measure it with "
+                             "privlm bench chat-quality")
 
 
 @dataclass

@@ -166,6 +166,19 @@ def comparison_lines(rows: Sequence[Row], ours: str = OURS, rivals: Sequence[str
     return lines
 
 
+def fast_cost_line(rows: Sequence[Row]) -> str:
+    """Verdict (5) in a sentence: at how many matched levels the rounds' answers are worse beyond the margin."""
+    if not {OURS, FAST} <= {str(r["method"]) for r in rows}:
+        return "What the rounds cost: not measured."
+    compared = [matched(rows, FAST, OURS, "answer_similarity", attack) for attack in _axes(OURS)]
+    levels = sum(len(t.grid) for t in compared)
+    worse, better = sum(t.worse for t in compared), sum(t.better for t in compared)
+    if not levels:
+        return "What the rounds cost: not measurable (no common attack level)."
+    return (f"What the rounds cost in answer similarity: worse beyond the margin at {worse} of {levels} matched "
+            f"levels, better at {better}" + (": no cost this run can show." if not worse else "."))
+
+
 def _best_lines(rows: Sequence[Row]) -> list[str]:
     best = best_private(rows)
     if best is None:
@@ -268,7 +281,7 @@ def quality_markdown(payload: Mapping[str, Any]) -> str:
         f"The placeholder control: {_f(_n(control, 'answer_similarity'))} answer similarity, "
         f"{_f(_n(control, 'extracted_similarity'))} after extraction.", "",
         f"**(5) {label(FAST)} (two forward passes) against {label(OURS)} (a decode step per perturbed token), at "
-        "matched attack success:**", "", *comparison_lines(rows, FAST, (OURS,)), "",
+        "matched attack success:**", "", *comparison_lines(rows, FAST, (OURS,)), "", fast_cost_line(rows), "",
         "## cape-public's tau and top-p", "", *selection_lines(payload["selection"]), "",
         "## Examples", "",
     ]

@@ -17,8 +17,8 @@ def bench_cape(
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/cape"),
     epsilons: Annotated[str, typer.Option(help="Comma-separated epsilons (each mechanism's own scale).")
                         ] = "1,2,3,6,10,14,20",
-    mechanisms: Annotated[str, typer.Option(help=f"Comma-separated mechanisms of: {MECHANISM_NAMES}; empty: all."
-                                            )] = "",
+    mechanisms: Annotated[str, typer.Option(help=f"Comma-separated mechanisms of: {MECHANISM_NAMES} but dp-prompt "
+                                            "(a paraphrase: privlm bench chat-quality); empty: all of them.")] = "",
     n_train: Annotated[int, typer.Option(help="Training texts of the clean classifier.")] = 2000,
     n_validation: Annotated[int, typer.Option(help="Validation texts (its regularisation).")] = 500,
     n_test: Annotated[int, typer.Option(help="Test texts perturbed at every point.")] = 500,
@@ -50,7 +50,8 @@ def bench_cape(
     from privlm_bench.harness.bench import run_sweep
 
     try:
-        names = tuple(m.name for m in text_mechanisms(parse_list(mechanisms) if mechanisms else None))
+        names = (tuple(m.name for m in text_mechanisms(parse_list(mechanisms))) if mechanisms
+                 else CapeSetting().mechanisms)  # every token-level mechanism
         setting = CapeSetting(mechanisms=names, epsilons=tuple(parse_levels(epsilons)), n_train=n_train,
                               n_validation=n_validation, n_test=n_test, zero_shot_texts=zero_shot_texts,
                               mti_sentences=mti_sentences, nw_tokens=nw_tokens,
