@@ -214,3 +214,13 @@ def test_the_best_private_point_is_the_closest_answer_under_the_bar():
             _row("custext-plus", 6.0, answer_similarity=0.55, span_verbatim=0.30, spans=100.0)]
     assert best_private(rows)["epsilon"] == 32.0  # custext+ answers better but leaks
     assert best_private(rows[2:]) is None
+    spent = [r | {"unit": "epsilon", "spend_per_prompt": 20.0 * float(r["epsilon"])} for r in rows]  # se 0.01
+    tied = [*spent, _row("custext-plus", 2.0, answer_similarity=0.39, span_verbatim=0.0, spans=100.0,
+                         unit="epsilon", spend_per_prompt=40.0)]
+    assert best_private(tied)["method"] == "custext-plus"  # within the margin (0.028) of 0.40, at 40 not 640
+    apart = [*spent, _row("custext-plus", 2.0, answer_similarity=0.35, span_verbatim=0.0, spans=100.0,
+                          unit="epsilon", spend_per_prompt=40.0)]
+    assert best_private(apart)["epsilon"] == 32.0  # 0.05 below: worse answers, whatever they cost
+    other_unit = [*spent, _row("santext", 6.0, answer_similarity=0.39, span_verbatim=0.0, spans=100.0,
+                               unit="eta-token", spend_per_prompt=1.0)]
+    assert best_private(other_unit)["epsilon"] == 32.0  # a spend in another unit is not compared

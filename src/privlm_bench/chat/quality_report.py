@@ -130,10 +130,17 @@ def bar_verdict(rows: Sequence[Row]) -> tuple[str, list[str]]:
 
 
 def best_private(rows: Sequence[Row]) -> Row | None:
-    """The DP point with the highest answer similarity among those whose spans-verbatim upper bound is at most GOAL:
-    the one the demo's chat step uses."""
+    """The point the demo's chat step uses. Among the DP points whose spans-verbatim upper bound is at most GOAL, take
+    the highest answer similarity; of the points in epsilon whose similarity is within the noise margin of it (1.96
+    times the root sum of squares of the two standard errors), the one with the smallest spend per prompt: answers
+    this run cannot tell apart, at the least epsilon."""
     private = [r for r in _private(rows) if verbatim_upper(r) <= GOAL and math.isfinite(_n(r, "answer_similarity"))]
-    return max(private, key=lambda r: _n(r, "answer_similarity"), default=None)
+    best = max(private, key=lambda r: _n(r, "answer_similarity"), default=None)
+    if best is None:
+        return None
+    tied = [r for r in private if r.get("unit") == "epsilon" and _n(r, "answer_similarity") >= _n(
+        best, "answer_similarity") - Z * math.hypot(_n(best, "answer_similarity_se"), _n(r, "answer_similarity_se"))]
+    return min(tied, key=lambda r: _n(r, "spend_per_prompt"), default=best)
 
 
 def _axes(method: str) -> list[str]:
@@ -183,7 +190,8 @@ def _best_lines(rows: Sequence[Row]) -> list[str]:
     best = best_private(rows)
     if best is None:
         return ["The best private point: none keeps spans verbatim under the bar.", ""]
-    return [f"The best private point (highest answer similarity with spans verbatim under the bar): "
+    return [f"The best private point (under the bar, the least epsilon per prompt among the answers within the noise "
+            "margin of the closest): "
             f"**{label(best['method'])} at epsilon {best['epsilon']:g}**, answer similarity "
             f"{_f(_n(best, 'answer_similarity'))}, spend {_f(_n(best, 'spend_per_prompt'), 1)} per prompt.", ""]
 
