@@ -120,6 +120,11 @@ def test_bad_settings_are_refused(bad):
 PLACEHOLDER = "w90"
 
 
+def test_without_a_one_token_blank_the_placeholder_is_the_unknown_token():
+    lm = tiny_causal_lm()  # WordPiece splits " ___" into three "_", each unknown; " _" is one (unknown) token
+    assert PublicContextCape(lm, epsilon=1.0, rounds=2).placeholder_id == lm.tokenizer.unk_token_id
+
+
 def test_a_positions_round_is_its_index_in_its_run_capped():
     assert run_rounds([0, 1, 2, 3, 5, 6, 9], 2) == [0, 1, 1, 1, 0, 1, 0]
     assert run_rounds([0, 1, 2, 3, 5, 6, 9], 3) == [0, 1, 2, 2, 0, 1, 0]
@@ -161,6 +166,7 @@ def test_in_rounds_the_sampler_follows_the_exact_law():
     cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, rounds=2, placeholder=PLACEHOLDER,
                              generator=make_generator(8), batch_size=4096)
     text = "w1 w2 w3"
+    assert run_rounds(cape.tokenize(text).sensitive_positions, 2) == [0, 1, 1]  # the third shares the second's round
     releases = torch.tensor([[t.released_id for t in out.report.tokens]
                              for out in cape.perturb_batch([text] * 10_000)])
     index = cape.vocabulary.candidate_index
@@ -169,6 +175,27 @@ def test_in_rounds_the_sampler_follows_the_exact_law():
     top = int(torch.mode(releases[:, 0]).values)
     _, given_top = cape.position_log_probabilities(text, [top, 0, 0])
     assert_draws_follow(index[releases[:, 2]][releases[:, 0] == top], given_top[2].exp())
+
+
+@pytest.mark.parametrize("rounds", [None, 2])
+def test_the_exact_loss_of_a_whole_release_over_every_outcome_is_at_most_n_eps(rounds):
+    """The joint law of a two-token release, enumerated over every outcome (r_0, r_1) for two prompts that differ in
+    both tokens: max over r of |ln P(r | x) - ln P(r | x')| is at most 2 eps, and positive."""
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=1.5, tau=0.8, top_p=0.9, rounds=rounds, placeholder=PLACEHOLDER)
+    x, x_prime = "w1 w2", "w3 w4"
+    candidates = cape.vocabulary.candidate_ids.tolist()
+    worst = 0.0
+    for r0 in candidates:  # position 1's law depends on r_0 only
+        _, law = cape.position_log_probabilities(x, [r0, 0])
+        _, law_prime = cape.position_log_probabilities(x_prime, [r0, 0])
+        first = cape.vocabulary.candidate_index[r0]
+        support = torch.isfinite(law[1])  # outside top-p: impossible under both (the support is public)
+        assert torch.equal(support, torch.isfinite(law_prime[1]))
+        if not torch.isfinite(law[0, first]):
+            continue
+        joint = (law[0, first] - law_prime[0, first]) + (law[1] - law_prime[1])[support]  # every r_1 at once
+        worst = max(worst, float(joint.abs().max()))
+    assert 0 < worst <= 2 * 1.5 + 1e-9
 
 
 def test_the_base_measure_is_tau_log_pi_on_the_top_p_set():
@@ -254,3 +281,4 @@ def test_registered_by_name_and_built_on_the_shared_context(smollm2_lm):
     fast = build_mechanism("cape-public-fast", MechanismContext(smollm2_lm), epsilon=2.0, generator=make_generator(9))
     assert isinstance(fast, PublicContextCape) and fast.rounds == 2 and fast.name == "cape-public-fast"
     assert fast.perturb("My name is Alice Smith.").report.mechanism == "cape-public-fast"
+    assert fast.device_model.tokenizer.decode([fast.placeholder_id]) == " ___"  # the first default: one token here

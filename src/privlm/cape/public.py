@@ -67,6 +67,7 @@ from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
 
 PRIVLM = "privlm"
+PLACEHOLDERS = (" ___", " _", "_")  # a blank, in the order tried when no placeholder is given
 GUARANTEE = ("privlm: the 'privlm' total is an epsilon-DP bound for this release against any neighbouring prompt "
              "(same token count, same non-sensitive tokens in the same places; both are revealed): each perturbed "
              "position is eps-DP given the released prefix, which is public, and positions compose adaptively")
@@ -123,7 +124,8 @@ class PublicContextCape:
     token); ``tau`` >= 0 and ``top_p`` in (0, 1]: the public base measure (see the module doc; the defaults,
     tau 2 and top-p 1, are ``privlm bench chat-quality``'s choice on its training prompts);
     ``rounds``: None (one decode step per perturbed position, on the released prefix) or k >= 1 (at most k forward
-    passes, with ``placeholder``, one token, where a position is not released yet; see the module doc);
+    passes, with ``placeholder``, one token, where a position is not released yet; see the module doc; None: the
+    first of PLACEHOLDERS that is one token of the device model, else its unknown token);
     ``generator``: the only source of randomness (OS-seeded when None); ``ledger``: charged
     (perturbed tokens) x epsilon per prompt under ``principal``, before anything is drawn."""
 
@@ -131,7 +133,7 @@ class PublicContextCape:
     unit = PrivacyUnit.EPSILON
 
     def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, tau: float = 2.0,
-                 top_p: float = 1.0, rounds: int | None = None, placeholder: str = " ___",
+                 top_p: float = 1.0, rounds: int | None = None, placeholder: str | None = None,
                  non_sensitive: NonSensitiveTokens | None = None,
                  generator: torch.Generator | None = None, ledger: Ledger | None = None, principal: str = "local",
                  batch_size: int = 16, device: str = "auto") -> None:
@@ -150,16 +152,22 @@ class PublicContextCape:
                              f"cannot do ({self.device_model.name} is {self.device_model.kind}): use a causal "
                              "device model, or cape, whose masked-LM context is private")
         self.room = context_room(self.device_model)
-        self.placeholder_id = -1 if rounds is None else self._one_token(placeholder)
+        self.placeholder_id = -1 if rounds is None else self._placeholder_id(placeholder)
         self.non_sensitive = non_sensitive or NonSensitiveTokens.english()
         self.generator = resolve_generator(generator, self.device_model.device)
         self.ledger, self.principal = ledger, principal
 
-    def _one_token(self, text: str) -> int:
-        ids = self.device_model.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ValueError(f"the placeholder must be one token of the device model; {text!r} is {len(ids)}")
-        return int(ids[0])
+    def _placeholder_id(self, placeholder: str | None) -> int:
+        tokenizer = self.device_model.tokenizer
+        for text in (placeholder,) if placeholder is not None else PLACEHOLDERS:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1:
+                return int(ids[0])
+        if placeholder is None and tokenizer.unk_token_id is not None:
+            return int(tokenizer.unk_token_id)
+        raise ValueError(f"the placeholder must be one token of the device model; {placeholder!r} is not"
+                         if placeholder is not None else "the device model's tokenizer has no one-token placeholder "
+                         f"({', '.join(map(repr, PLACEHOLDERS))}) and no unknown token: pass placeholder=")
 
     @property
     def vocabulary(self) -> CandidateVocabulary:

@@ -62,7 +62,7 @@ from privlm.models import SplitModel
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PerturbedPrompt, TextPerturber, TokenOutcome
 from privlm.models.prompts import NonSensitiveTokens, tokenize_prompt
-from privlm.models.text_mechanisms import MechanismContext, TextMechanism, text_mechanisms
+from privlm.models.text_mechanisms import MechanismContext, TextMechanism, text_mechanism, text_mechanisms
 from privlm_bench.data import named_task, split_dataset
 from privlm_bench.harness.bench import NON_PRIVATE, Method, Point, Sweep
 from privlm_bench.harness.probes import Probe, classification_metrics, embedding_agreement
@@ -85,6 +85,15 @@ def method_of(mechanism: TextMechanism) -> Method:
 
 TOKEN_LEVEL = tuple(m for m in text_mechanisms() if not m.rewrites)  # DP-Prompt's paraphrase: privlm bench chat-quality
 METHODS = (*(method_of(m) for m in TOKEN_LEVEL), CAPE_INT8)
+
+
+def _rewrites(name: str) -> bool:
+    """Whether the registered mechanism ``name`` rewrites the prompt (an unregistered name is checked where it is
+    built: a test registers its own)."""
+    try:
+        return text_mechanism(name).rewrites
+    except ValueError:
+        return False
 
 
 @dataclass(kw_only=True)
@@ -122,7 +131,7 @@ class CapeSetting:
                 raise ValueError(f"{name} must be a non-negative integer (0 turns it off), got {value!r}")
         if not self.epsilons or any(not (math.isfinite(e) and e > 0) for e in (*self.epsilons, *self.int8_epsilons)):
             raise ValueError(f"epsilons must be finite and > 0, got {self.epsilons} and {self.int8_epsilons}")
-        rewriting = [m.name for m in text_mechanisms(self.mechanisms) if m.rewrites]
+        rewriting = [name for name in self.mechanisms if _rewrites(name)]
         if rewriting:
             raise ValueError(f"{', '.join(rewriting)} rewrite(s) the prompt, so no released token stands for an "
                              "original one and this benchmark's token attacks do not apply: measure it with "
