@@ -57,8 +57,9 @@ def test_demo_runs_without_anything_from_the_dev_extra(tmp_path):
     assert f"released ({CHAT_MECHANISM};" in result.stdout and "answer (to the released prompt" in result.stdout
     spent = re.search(r"spent: (\S+) (?:=|for) (\d+) perturbed tokens \(of (\d+)\)", result.stdout)
     assert spent is not None and float(spent[1]) > 0 and 0 < int(spent[2]) <= int(spent[3])
-    if CHAT_MECHANISM in ("cape-public", "custext+"):  # exactly epsilon per perturbed token
+    if CHAT_MECHANISM in ("cape-public", "cape-public-fast", "custext+"):  # exactly epsilon per perturbed token
         assert float(spent[1]) == pytest.approx(int(spent[2]) * CHAT_EPSILON)
+    assert "guarantee: privlm:" in result.stdout  # what the spend means, as the report states it
     assert "SAP: private fine-tuning" in result.stdout and "private prediction for" in result.stdout
 
 

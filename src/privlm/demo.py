@@ -57,10 +57,11 @@ SND_ETA = 50.0
 CHAT_PROMPT = ("I am Maria Gonzalez, 34, from Seattle. My doctor says my asthma is getting worse. "
                "What should I ask her at my next appointment?")
 CHAT_MAX_TOKENS = 48
-# Step 5: the best private point of `privlm bench chat-quality` (the highest answer similarity among the points that
-# keep personal spans verbatim at most 5% of the time; benchmarks/chat-quality/results.md).
-CHAT_MECHANISM = "custext+"
-CHAT_EPSILON = 2.0  # per perturbed token
+# Step 5: the best private point of `privlm bench chat-quality` (benchmarks/chat-quality/results.md: under the bar,
+# among mechanisms whose epsilon bounds every pair of tokens, the least epsilon of the answers within noise of the
+# closest; a test keeps these equal to it).
+CHAT_MECHANISM = "cape-public"
+CHAT_EPSILON = 8.0  # per perturbed token
 SAP_TWEETS, SAP_ETA = 64, 75.0
 SAP_QUESTION = "the crew lost my bag and nobody answered"
 
@@ -299,7 +300,7 @@ def chat_section(console: Console, gateway_url: str) -> None:
     spent, epsilon = float(headers["x-privlm-epsilon-spent"]), float(headers["x-privlm-epsilon"])
     perturbed, tokens = int(headers["x-privlm-tokens-perturbed"]), int(headers["x-privlm-tokens"])
     count = f"{perturbed} perturbed tokens (of {tokens})"
-    # cape-public and CUSTEXT+ spend exactly epsilon per perturbed token; Cape's sound bound has more terms.
+    # cape-public spends exactly epsilon per perturbed token; Cape's sound bound has more terms.
     spend = (f"{spent:g} = {count} x epsilon {epsilon:g}" if abs(spent - perturbed * epsilon) < 1e-6
              else f"{spent:g} for {count} at epsilon {epsilon:g} (privlm's sound bound)")
     console.print(f"released ({headers['x-privlm-mechanism']}; all serve-llm received of the prompt): "
@@ -307,6 +308,8 @@ def chat_section(console: Console, gateway_url: str) -> None:
     console.print(f"answer (to the released prompt, unchanged; client: {client_name}): "
                   f"{answer['choices'][0]['message']['content']!r}")
     console.print(f"spent: {spend}")
+    if answer["privlm"].get("guarantee"):
+        console.print(f"guarantee: {answer['privlm']['guarantee']}")
 
 
 def _chat(gateway_url: str, prompt: str) -> tuple[dict[str, Any], dict[str, str], str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 
@@ -206,6 +207,19 @@ def test_a_resumed_run_keeps_a_finished_runs_rows_under_the_same_settings_whatev
     assert _finished(tmp_path, QualitySetting(n_test=25)) == {}  # other settings: nothing kept
 
 
+def test_the_demo_uses_the_committed_runs_best_private_point():
+    from pathlib import Path
+
+    from privlm.demo import CHAT_EPSILON, CHAT_MECHANISM
+    from privlm_bench.chat.quality_report import best_private
+    from privlm_bench.harness.json_values import from_json
+
+    results: Any = from_json(json.loads((Path(__file__).parents[2] / "benchmarks/chat-quality/results.json")
+                                        .read_text()))
+    best = best_private(results["rows"])
+    assert best is not None and (best["mechanism"], best["epsilon"]) == (CHAT_MECHANISM, CHAT_EPSILON)
+
+
 def test_the_best_private_point_is_the_closest_answer_under_the_bar():
     from privlm_bench.chat.quality_report import best_private
 
@@ -215,12 +229,12 @@ def test_the_best_private_point_is_the_closest_answer_under_the_bar():
     assert best_private(rows)["epsilon"] == 32.0  # custext+ answers better but leaks
     assert best_private(rows[2:]) is None
     spent = [r | {"unit": "epsilon", "spend_per_prompt": 20.0 * float(r["epsilon"])} for r in rows]  # se 0.01
-    tied = [*spent, _row("custext-plus", 2.0, answer_similarity=0.39, span_verbatim=0.0, spans=100.0,
+    tied = [*spent, _row("cape-public-fast", 2.0, answer_similarity=0.39, span_verbatim=0.0, spans=100.0,
                          unit="epsilon", spend_per_prompt=40.0)]
-    assert best_private(tied)["method"] == "custext-plus"  # within the margin (0.028) of 0.40, at 40 not 640
-    apart = [*spent, _row("custext-plus", 2.0, answer_similarity=0.35, span_verbatim=0.0, spans=100.0,
+    assert best_private(tied)["method"] == "cape-public-fast"  # within the margin (0.028) of 0.40, at 40 not 640
+    apart = [*spent, _row("cape-public-fast", 2.0, answer_similarity=0.35, span_verbatim=0.0, spans=100.0,
                           unit="epsilon", spend_per_prompt=40.0)]
     assert best_private(apart)["epsilon"] == 32.0  # 0.05 below: worse answers, whatever they cost
-    other_unit = [*spent, _row("santext", 6.0, answer_similarity=0.39, span_verbatim=0.0, spans=100.0,
-                               unit="eta-token", spend_per_prompt=1.0)]
-    assert best_private(other_unit)["epsilon"] == 32.0  # a spend in another unit is not compared
+    narrower = [*spent, _row("custext-plus", 2.0, answer_similarity=0.45, span_verbatim=0.0, spans=100.0,
+                             unit="epsilon", spend_per_prompt=40.0)]
+    assert best_private(narrower)["epsilon"] == 32.0  # CUSTEXT's epsilon holds within a group only: not compared

@@ -30,6 +30,8 @@ def test_every_mechanism_is_listed_cape_first():
     assert [m.name for m in text_mechanisms() if m.needs_logit_bound] == ["cape", "cape-unbucketed", "dp-prompt"]
     assert [m.name for m in text_mechanisms() if m.causal_only] == ["cape-public", "cape-public-fast", "dp-prompt"]
     assert [m.name for m in text_mechanisms() if m.rewrites] == ["dp-prompt"]
+    assert [m.name for m in text_mechanisms() if not m.any_pair] == ["santext", "santext+", "custext", "custext+",
+                                                                     "text2text"]  # group, rare-only or metric
 
 
 def test_a_wrong_name_is_refused_with_the_names_to_choose_from():

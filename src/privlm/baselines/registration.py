@@ -26,12 +26,14 @@ from privlm.models.perturbation import TextPerturber
 from privlm.models.text_mechanisms import MechanismContext, register_text_mechanism
 
 
-def _register(name: str, label: str, description: str, cls: type[TokenLevelBaseline]) -> None:
+def _register(name: str, label: str, description: str, cls: type[TokenLevelBaseline], *, any_pair: bool = False
+              ) -> None:
     def build(context: MechanismContext, epsilon: float, generator: torch.Generator | None, ledger: Ledger | None,
               principal: str) -> TextPerturber:
         return cls(context.vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
 
-    register_text_mechanism(name, build, label=label, family="baseline", unit=cls.unit, description=description)
+    register_text_mechanism(name, build, label=label, family="baseline", unit=cls.unit, description=description,
+                            any_pair=any_pair)
 
 
 _register("santext", "SANTEXT", "SANTEXT: exp(-eps d / 2) over every candidate", SanText)
@@ -39,7 +41,8 @@ _register("santext+", "SANTEXT+", "SANTEXT+: the least frequent 90% sensitive, o
           SanTextPlus)
 _register("custext", "CUSTEXT", "CUSTEXT: K = 20 output sets, every token perturbed", Custext)
 _register("custext+", "CUSTEXT+", "CUSTEXT+: stopwords and punctuation kept", CustextPlus)
-_register("inferdpt", "InferDPT", "InferDPT's RANTEXT: Laplace radius, exp(eps u / 2) inside it", InferDPT)
+_register("inferdpt", "InferDPT", "InferDPT's RANTEXT: Laplace radius, exp(eps u / 2) inside it", InferDPT,
+          any_pair=True)
 _register("text2text", "Text2Text", "Text2Text: d_chi noise (eta = epsilon), nearest candidate", Text2TextPerturber)
 
 
@@ -56,4 +59,4 @@ def _build_dp_prompt(context: MechanismContext, epsilon: float, generator: torch
 register_text_mechanism("dp-prompt", _build_dp_prompt, label="DP-Prompt", family="baseline", unit=DPPrompt.unit,
                         description="DP-Prompt: a paraphrase, each token by the exponential mechanism on logits "
                                     "clipped to [-B, B] (document-level)", needs_logit_bound=True, causal_only=True,
-                        rewrites=True)
+                        rewrites=True, any_pair=True)

@@ -43,7 +43,7 @@ def _register(name: str, label: str, description: str, **options: Any) -> None:
     """``options``: Cape's keyword arguments where the variant differs from Cape."""
     register_text_mechanism(name, _cape_factory(name, options), label=label, family="cape", unit=Cape.unit,
                             description=description, options=options,
-                            needs_logit_bound=options.get("lambda_L", 0.5) != 0)
+                            needs_logit_bound=options.get("lambda_L", 0.5) != 0, any_pair=True)
 
 
 _register("cape", "Cape", "Cape: lambda_L = 0.5, lambda_D = 1.0, 50 buckets")
@@ -64,7 +64,8 @@ def _public_factory(name: str, options: Mapping[str, Any]) -> Factory:
 
 def _register_public(name: str, label: str, description: str, **options: Any) -> None:
     register_text_mechanism(name, _public_factory(name, options), label=label, family="cape",
-                            unit=PublicContextCape.unit, description=description, options=options, causal_only=True)
+                            unit=PublicContextCape.unit, description=description, options=options, causal_only=True,
+                            any_pair=True)
 
 
 _register_public("cape-public", "Cape, public context",

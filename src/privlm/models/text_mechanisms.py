@@ -70,7 +70,10 @@ class TextMechanism:
     benchmark method key. ``unit`` is the ledger unit its releases are charged in (the perturber's own);
     ``options`` the keyword arguments its factory passes on; ``needs_logit_bound``: it reads B; ``causal_only``: it
     needs a causal device model (it refuses a masked one); ``rewrites``: it rewrites the whole prompt, so no
-    released token stands for an original one (DP-Prompt: token-level attacks do not apply).
+    released token stands for an original one (DP-Prompt: token-level attacks do not apply); ``any_pair``: its
+    epsilon bounds the loss whichever sensitive tokens differ (not only tokens of one output group, as CUSTEXT's,
+    nor only rare ones, as SANTEXT+'s, nor scaled by a distance, as the metric mechanisms'), so its epsilons
+    mean what another such mechanism's mean and spends can be compared (docs/guarantees.md).
     """
 
     name: str
@@ -83,6 +86,7 @@ class TextMechanism:
     needs_logit_bound: bool = False
     causal_only: bool = False
     rewrites: bool = False
+    any_pair: bool = False
 
     @property
     def key(self) -> str:
@@ -100,10 +104,10 @@ _REGISTRY: dict[str, TextMechanism] = {}
 def register_text_mechanism(name: str, factory: Factory, *, label: str, family: Family, unit: PrivacyUnit,
                             description: str, options: Mapping[str, object] | None = None,
                             needs_logit_bound: bool = False, causal_only: bool = False,
-                            rewrites: bool = False) -> TextMechanism:
+                            rewrites: bool = False, any_pair: bool = False) -> TextMechanism:
     """Make ``name`` buildable by name. A name (or its key) already taken is refused."""
     mechanism = TextMechanism(name, label, family, PrivacyUnit(unit), description, factory, dict(options or {}),
-                              needs_logit_bound, causal_only, rewrites)
+                              needs_logit_bound, causal_only, rewrites, any_pair)
     taken = {n for m in _REGISTRY.values() for n in (m.name, m.key)}
     if name in taken or mechanism.key in taken:
         raise ValueError(f"a text mechanism named {name!r} is already registered")

@@ -129,18 +129,35 @@ def bar_verdict(rows: Sequence[Row]) -> tuple[str, list[str]]:
     return ("holds" if passing else "does not hold"), lines
 
 
+def _any_pair(row: Row) -> bool:
+    """Whether the row's mechanism bounds every pair of sensitive tokens (its epsilons compare with the others')."""
+    try:
+        return text_mechanism(str(row.get("mechanism", row["method"]))).any_pair
+    except ValueError:
+        return False
+
+
+def _under_bar(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in _private(rows) if verbatim_upper(r) <= GOAL and math.isfinite(_n(r, "answer_similarity"))]
+
+
+def _within_noise(row: Row, best: Row) -> bool:
+    margin = Z * math.hypot(_n(best, "answer_similarity_se"), _n(row, "answer_similarity_se"))
+    return _n(row, "answer_similarity") >= _n(best, "answer_similarity") - margin
+
+
 def best_private(rows: Sequence[Row]) -> Row | None:
-    """The point the demo's chat step uses. Among the DP points whose spans-verbatim upper bound is at most GOAL, take
-    the highest answer similarity; of the points in epsilon whose similarity is within the noise margin of it (1.96
-    times the root sum of squares of the two standard errors), the one with the smallest spend per prompt: answers
-    this run cannot tell apart, at the least epsilon."""
-    private = [r for r in _private(rows) if verbatim_upper(r) <= GOAL and math.isfinite(_n(r, "answer_similarity"))]
-    best = max(private, key=lambda r: _n(r, "answer_similarity"), default=None)
+    """The point the demo's chat step uses. Among the DP points under the bar (spans-verbatim upper bound at most
+    GOAL) whose epsilon bounds every pair of sensitive tokens (``any_pair``: CUSTEXT's holds only within an output
+    group, so its epsilons are not the same guarantee), take the closest answers; then, of the points whose answer
+    similarity is within the noise margin of it (1.96 times the root sum of squares of the two standard errors), the
+    one with the least spend per prompt: answers this run cannot tell apart, at the least epsilon."""
+    comparable = [r for r in _under_bar(rows) if _any_pair(r)]
+    best = max(comparable, key=lambda r: _n(r, "answer_similarity"), default=None)
     if best is None:
         return None
-    tied = [r for r in private if r.get("unit") == "epsilon" and _n(r, "answer_similarity") >= _n(
-        best, "answer_similarity") - Z * math.hypot(_n(best, "answer_similarity_se"), _n(r, "answer_similarity_se"))]
-    return min(tied, key=lambda r: _n(r, "spend_per_prompt"), default=best)
+    tied = [r for r in comparable if _within_noise(r, best)]
+    return min(tied, key=lambda r: (_n(r, "spend_per_prompt"), -_n(r, "answer_similarity")))
 
 
 def _axes(method: str) -> list[str]:
@@ -189,11 +206,18 @@ def fast_cost_line(rows: Sequence[Row]) -> str:
 def _best_lines(rows: Sequence[Row]) -> list[str]:
     best = best_private(rows)
     if best is None:
-        return ["The best private point: none keeps spans verbatim under the bar.", ""]
-    return [f"The best private point (under the bar, the least epsilon per prompt among the answers within the noise "
-            "margin of the closest): "
-            f"**{label(best['method'])} at epsilon {best['epsilon']:g}**, answer similarity "
-            f"{_f(_n(best, 'answer_similarity'))}, spend {_f(_n(best, 'spend_per_prompt'), 1)} per prompt.", ""]
+        return ["The best private point: none whose epsilon bounds every pair of tokens keeps spans verbatim under "
+                "the bar.", ""]
+    lines = [f"The best private point (under the bar, among the mechanisms whose epsilon bounds every pair of "
+             f"sensitive tokens, the least epsilon per prompt among the answers within the noise margin of the "
+             f"closest): **{label(best['method'])} at epsilon {best['epsilon']:g}**, answer similarity "
+             f"{_f(_n(best, 'answer_similarity'))}, spend {_f(_n(best, 'spend_per_prompt'), 1)} per prompt."]
+    narrower = [r for r in _under_bar(rows) if not _any_pair(r) and _within_noise(r, best)
+                and _n(r, "answer_similarity") > _n(best, "answer_similarity")]
+    lines += [f"{label(r['method'])} at epsilon {r['epsilon']:g} answers at {_f(_n(r, 'answer_similarity'))} for "
+              f"{_f(_n(r, 'spend_per_prompt'), 1)} per prompt, but its guarantee is narrower (not every pair of "
+              "tokens: docs/guarantees.md), so its spend is not compared." for r in narrower]
+    return [" ".join(lines), ""]
 
 
 def spend_verdict(rows: Sequence[Row]) -> str:
