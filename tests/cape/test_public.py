@@ -160,11 +160,11 @@ def test_each_round_reads_the_released_tokens_of_earlier_rounds_and_placeholders
 
 
 def test_in_rounds_the_sampler_follows_the_exact_law():
-    """Chi-square at p = 1e-6 on 10,000 releases of a three-token run in two rounds: the first token against its
-    law on the skeleton; the third, among releases with the most frequent first token, against its law given that
+    """Chi-square at p = 1e-6 on 10,000 releases of a three-token run in two rounds, top-p 0.9: the first token
+    against its law on the skeleton; the third, among releases with the most frequent first token, against its law given that
     token and a placeholder at the second."""
-    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, rounds=2, placeholder=PLACEHOLDER,
-                             generator=make_generator(8), batch_size=4096)
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, top_p=0.9, rounds=2, placeholder=PLACEHOLDER,
+                             generator=make_generator(8), batch_size=4096)  # top-p < 1: the sampler's truncation
     text = "w1 w2 w3"
     assert run_rounds(cape.tokenize(text).sensitive_positions, 2) == [0, 1, 1]  # the third shares the second's round
     releases = torch.tensor([[t.released_id for t in out.report.tokens]
@@ -233,7 +233,8 @@ def smol_public(smollm2_lm) -> PublicContextCape:
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 4.0, 16.0])
-@pytest.mark.parametrize(("tau", "top_p", "rounds"), [(1.0, 1.0, None), (0.5, 0.95, None), (2.0, 1.0, 2)])
+@pytest.mark.parametrize(("tau", "top_p", "rounds"), [(1.0, 1.0, None), (0.5, 0.95, None), (2.0, 1.0, None),
+                                                     (2.0, 1.0, 2)])  # (2, 1): the shipped defaults
 def test_exact_loss_per_position_and_of_the_release_given_a_shared_prefix(smollm2_lm, epsilon, tau, top_p, rounds):
     """For a release r of PROMPT: at every perturbed position, max_y |ln P(y | x_i, r_<i) / P(y | x'_i, r_<i)| <= eps
     (NEIGHBOUR differs in one name; with rounds, given what the position's round reads of r); the whole release's
