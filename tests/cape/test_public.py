@@ -161,8 +161,8 @@ def test_each_round_reads_the_released_tokens_of_earlier_rounds_and_placeholders
 
 def test_in_rounds_the_sampler_follows_the_exact_law():
     """Chi-square at p = 1e-6 on 10,000 releases of a three-token run in two rounds, top-p 0.9: the first token
-    against its law on the skeleton; the third, among releases with the most frequent first token, against its law given that
-    token and a placeholder at the second."""
+    against its law on the skeleton; the third, among releases with the most frequent first token, against its law
+    given that token and a placeholder at the second."""
     cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, top_p=0.9, rounds=2, placeholder=PLACEHOLDER,
                              generator=make_generator(8), batch_size=4096)  # top-p < 1: the sampler's truncation
     text = "w1 w2 w3"
