@@ -4,9 +4,10 @@ runs whole on one worker)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,21 @@ def assert_draws_follow(draws: torch.Tensor, probabilities: torch.Tensor) -> Non
     support = expected > 0
     assert observed[~support].sum() == 0  # never a draw of probability 0 (outside a top-p set, say)
     assert stats.chisquare(observed[support], expected[support]).pvalue > P_THRESHOLD
+
+
+def spy_on_forward(model: torch.nn.Module, record: Callable[[], object]) -> list[object]:
+    """Replace ``model.forward`` by a spy that appends ``record()`` before each call; returns the list. The spy keeps
+    forward's signature, which the key/value cache's argument name is read from."""
+    calls: list[object] = []
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(record())
+        return forward(*args, **kwargs)
+
+    model.forward = spy  # type: ignore[method-assign]
+    return calls
 
 
 @pytest.fixture

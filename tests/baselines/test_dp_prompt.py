@@ -4,7 +4,6 @@ max_new_tokens x eps before any draw, and the report says what was generated."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -15,7 +14,7 @@ from privlm.baselines.dp_prompt import DPPrompt
 from privlm.mechanisms import PrivacyUnit, exact_privacy_loss, make_generator
 from privlm.models.perturbation import TokenOutcome
 from privlm.models.text_mechanisms import MechanismContext, build_mechanism
-from tests.conftest import assert_draws_follow
+from tests.conftest import assert_draws_follow, spy_on_forward
 from tests.models.tiny import tiny_causal_lm
 
 
@@ -78,15 +77,7 @@ def test_the_ledger_is_charged_the_longest_paraphrase_before_any_draw(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 100.0})
     dp = DPPrompt(tiny_causal_lm(), epsilon=2.0, logit_range=(-1.0, 1.0), ledger=ledger, principal="bob",
                   generator=make_generator(8))
-    calls: list[float] = []
-    forward = dp.device_model.model.forward
-
-    @functools.wraps(forward)  # the spy keeps forward's signature (its cache argument's name)
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(ledger.spent("bob", PrivacyUnit.EPSILON))
-        return forward(*args, **kwargs)
-
-    dp.device_model.model.forward = spy  # type: ignore[method-assign]
+    calls = spy_on_forward(dp.device_model.model, lambda: ledger.spent("bob", PrivacyUnit.EPSILON))
     out = dp.perturb("the cat sat on the mat w7")  # 7 tokens: at most ceil(1.5 x 7) + 4 = 15 generated
     report = out.report
     assert dp.max_new_tokens(7) == 15 and report.accounting["privlm"] == 30.0 == report.spent

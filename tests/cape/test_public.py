@@ -7,7 +7,6 @@ pair of neighbouring prompts of tests/cape/conftest.py.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -21,7 +20,7 @@ from privlm.mechanisms import BaseMeasureExponentialMechanism, PrivacyUnit, exac
 from privlm.models.perturbation import TokenOutcome
 from privlm.models.text_mechanisms import MechanismContext, build_mechanism
 from tests.cape.conftest import NEIGHBOUR, PROMPT
-from tests.conftest import assert_draws_follow
+from tests.conftest import assert_draws_follow, spy_on_forward
 from tests.models.tiny import tiny_causal_lm
 
 TEXTS = ["the cat sat on the mat", "a dog w5 w6 w7 . the cat", "w1 w2", "the . on", " ".join(["w9"] * 70)]
@@ -84,15 +83,7 @@ def test_every_token_is_reported_and_the_spend_is_exactly_n_times_epsilon(tiny):
 def test_the_ledger_is_charged_n_times_epsilon_before_any_draw(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 20.0})
     cape = PublicContextCape(tiny_causal_lm(), epsilon=2.0, ledger=ledger, principal="alice")
-    calls: list[float] = []
-    forward = cape.device_model.model.forward
-
-    @functools.wraps(forward)  # the spy keeps forward's signature (its cache argument's name)
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(ledger.spent("alice", PrivacyUnit.EPSILON))
-        return forward(*args, **kwargs)
-
-    cape.device_model.model.forward = spy  # type: ignore[method-assign]
+    calls = spy_on_forward(cape.device_model.model, lambda: ledger.spent("alice", PrivacyUnit.EPSILON))
     out = cape.perturb_batch(["the cat sat on the mat", "a dog w5"])  # 3 + 2 perturbed tokens
     assert [o.report.spent for o in out] == [6.0, 4.0]
     assert calls and set(calls) == {10.0}  # charged whole before the first decode step
@@ -137,9 +128,7 @@ def test_each_round_reads_the_released_tokens_of_earlier_rounds_and_placeholders
     forward pass per round, however many tokens are perturbed."""
     cape = Recording(tiny_causal_lm(), epsilon=2.0, batch_size=8, rounds=2, placeholder=PLACEHOLDER,
                      generator=make_generator(7))
-    forwards = []
-    forward = cape.device_model.model.forward
-    cape.device_model.model.forward = lambda *a, **k: forwards.append(1) or forward(*a, **k)  # type: ignore[method-assign]
+    forwards = spy_on_forward(cape.device_model.model, lambda: None)
     released = cape.perturb_batch(TEXTS)
     assert len(forwards) == 2 == len(cape.seen)  # 2 rounds, whatever the number of perturbed tokens
     placeholder = cape.device_model.tokenizer.convert_tokens_to_ids(PLACEHOLDER)
