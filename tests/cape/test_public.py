@@ -272,3 +272,5 @@ def test_registered_by_name_and_built_on_the_shared_context(smollm2_lm):
     assert isinstance(fast, PublicContextCape) and fast.rounds == 2 and fast.name == "cape-public-fast"
     assert fast.perturb("My name is Alice Smith.").report.mechanism == "cape-public-fast"
     assert fast.device_model.tokenizer.decode([fast.placeholder_id]) == " ___"  # the first default: one token here
+    assert "given the released prefix" in out.report.guarantee
+    assert "released in earlier rounds" in fast.perturb("Alice").report.guarantee

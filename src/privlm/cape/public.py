@@ -70,7 +70,9 @@ PRIVLM = "privlm"
 PLACEHOLDERS = (" ___", " _", "_")  # a blank, in the order tried when no placeholder is given
 GUARANTEE = ("privlm: the 'privlm' total is an epsilon-DP bound for this release against any neighbouring prompt "
              "(same token count, same non-sensitive tokens in the same places; both are revealed): each perturbed "
-             "position is eps-DP given the released prefix, which is public, and positions compose adaptively")
+             "position is eps-DP given {context}, which is public, and positions compose adaptively")
+RELEASED_PREFIX = "the released prefix"
+EARLIER_ROUNDS = "the tokens released in earlier rounds (a placeholder where a position is not released yet)"
 
 
 def public_base(logits: torch.Tensor, *, tau: float, top_p: float) -> torch.Tensor:
@@ -290,7 +292,9 @@ class PublicContextCape:
             notes.append(f"{len(prompt.uncovered)} character span(s) no token covers were dropped by the tokenizer "
                          "and are not in the released text (see uncovered)")
         report = PromptReport(mechanism=self.name, tokens=records, candidate_set_size=self.vocabulary.size,
-                              accounting={PRIVLM: total}, guarantee=GUARANTEE,
+                              accounting={PRIVLM: total},
+                              guarantee=GUARANTEE.format(context=RELEASED_PREFIX if self.rounds is None
+                                                         else EARLIER_ROUNDS),
                               chunks=max(1, math.ceil(len(prompt) / self.room)), uncovered=prompt.uncovered,
                               spent=charged, notes=tuple(notes))
         return PerturbedPrompt(text=released_text(self.vocabulary, released), report=report)
