@@ -15,8 +15,10 @@ The shape is LiteLLM's (BerriAI/litellm), copied, not imported:
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -34,7 +36,7 @@ from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
 from tests.cape.conftest import PROMPT, B
-from tests.service.localhost import serving
+from tests.service.localhost import serving, serving_guarded
 from tests.support.chat import in_order
 
 EPS = 6.0
@@ -355,3 +357,35 @@ def test_bad_options_are_refused():
         create_guardrail_app(fake_privacy(), charge_to="team")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="images"):
         create_guardrail_app(fake_privacy(), images="drop")  # type: ignore[arg-type]
+
+
+# -- the scaffolding's refusals: BLOCKED, never an error status a fail-open LiteLLM would forward past ------------
+
+def held_privacy(entered: threading.Event, release: threading.Event) -> PromptPrivacy:
+    """A privacy step that waits in its perturbation until ``release`` is set, then fails (so: BLOCKED)."""
+    def held(epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> Any:
+        entered.set()
+        release.wait(30)
+        raise RuntimeError("released")
+    return PromptPrivacy(held, mechanism="held", epsilon=EPS, ledger=None, max_prompt_tokens=8192,
+                         count_tokens=lambda text: len(text.split()))
+
+
+@pytest.mark.parametrize(("limits", "named"), [({"max_in_flight": 1}, "max_in_flight="),
+                                               ({"max_in_flight": 8, "max_in_flight_per_caller": 1},
+                                                "max_in_flight_per_caller=")])
+def test_a_saturated_guardrail_answers_blocked_not_an_error_status(limits, named):
+    """What LiteLLM posts, while the guardrail is saturated (one request held in its privacy step): 200 BLOCKED
+    naming the limit, where the scaffolding answers other routes 503 or 429; and the held request is BLOCKED when
+    its step fails. A missing key is still 401."""
+    entered, release = threading.Event(), threading.Event()
+    app = create_guardrail_app(held_privacy(entered, release), api_keys=["litellm-key"], **limits)
+    auth = {"Authorization": "Bearer litellm-key"}
+    with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, http, litellm_body([SECRET]), **auth)
+        assert entered.wait(30)
+        assert_blocked(post(http, litellm_body([SECRET]), **auth), named)
+        assert post(http, litellm_body([SECRET])).status_code == 401  # no key: refused before the limits
+        release.set()
+        assert_blocked(held.result(), "privacy step failed")
+        assert_blocked(post(http, litellm_body([SECRET]), **auth), "privacy step failed")  # a place again

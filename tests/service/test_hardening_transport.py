@@ -18,6 +18,7 @@ from typing import ClassVar
 import httpx
 import pytest
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from typer.testing import CliRunner
 
 from privlm.cli import app as cli
@@ -383,6 +384,27 @@ def test_finding_7_requests_in_flight_are_capped():
             assert [future.result().json() for future in held] == [{"bytes": 1000}] * 2
             assert retried.result().json() == {"bytes": 4}
         assert httpx.post(f"{url}/echo", content=b"abc", timeout=10).json() == {"bytes": 3}
+
+
+def test_a_path_can_answer_the_limits_refusals_itself_and_the_others_keep_theirs():
+    """refusal_answers: busy, /echo gets its own answer (built from the refusal, with its connection header) and
+    /refuse still the 503; an over-limit body on /echo too."""
+    def own(refusal: JSONResponse) -> Response:
+        return JSONResponse({"own": json.loads(bytes(refusal.body))["error"]["code"]})
+
+    gate = Gate()
+    app = _app(gate=gate, max_in_flight=1, refusal_answers={"/echo": own})
+    with serving_guarded(app) as url, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{url}/hold", content=b"x", timeout=30)
+        _wait_for(lambda: gate.entered == 1)
+        answered = httpx.post(f"{url}/echo", content=b"abc", timeout=10)
+        assert answered.status_code == 200 and answered.json() == {"own": "server_busy"}
+        assert answered.headers["connection"] == "close"
+        assert httpx.post(f"{url}/refuse", content=b"abc", timeout=10).status_code == 503
+        gate.opened.set()
+        assert held.result().json() == {"bytes": 1}
+        too_large = httpx.post(f"{url}/echo", content=b"x" * (LIMIT + 1), timeout=10)
+        assert too_large.status_code == 200 and too_large.json() == {"own": "limit_exceeded"}
 
 
 def test_finding_7_the_in_flight_count_is_released_on_every_path():

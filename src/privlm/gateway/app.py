@@ -26,7 +26,7 @@ from privlm.accounting import Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
 from privlm.cape.service.extraction import AnswerExtractor
-from privlm.cape.service.guardrail import guardrail_router
+from privlm.cape.service.guardrail import REFUSAL_ANSWERS, guardrail_router
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.models.language import LanguageModel
 from privlm.models.text_mechanisms import text_mechanism
@@ -88,6 +88,7 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
                           "upstream": chat.upstream.base_url, "guardrail": chat.guardrail}
     return create_service_app(title="privlm gateway (OpenAI-compatible, private)",
                               routers=[*routers, catalog_router(offered)], auth=auth,
+                              refusal_answers=REFUSAL_ANSWERS if chat is not None and chat.guardrail else None,
                               max_request_bytes=max_request_bytes,
                               lifespan=closing_upstream(chat.upstream) if chat is not None else None,
                               health=lambda: health, **service)

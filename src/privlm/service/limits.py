@@ -24,6 +24,10 @@ Two more bounds keep slow or many clients from holding the service:
 
 A client that goes away mid-upload is one ``info`` line on the ``privlm.service`` logger, never a
 traceback.
+
+A route whose callers must never see an error status (a LiteLLM guardrail: a proxy set to fail open forwards the
+original text on one) registers a :data:`RefusalAnswer` for its path in ``refusal_answers``: the 408, 413, 429 and
+503 refusals above are then answered by it instead. A missing or wrong key is answered 401 on every path.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable, Mapping
 
 from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from privlm.service.auth import BearerKeys, bearer_key
@@ -43,10 +49,14 @@ MAX_IN_FLIGHT = 32  # requests with a body read or processed at once
 
 log = logging.getLogger("privlm.service")
 
+RefusalAnswer = Callable[[JSONResponse], Response]
+"""A path's own answer to one of the middleware's refusals (given as the OpenAI-shaped error it would be)."""
+
 
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, *, max_bytes: int, auth: BearerKeys, body_timeout: float = BODY_TIMEOUT,
-                 max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None,
+                 refusal_answers: Mapping[str, RefusalAnswer] | None = None) -> None:
         if not body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
@@ -61,6 +71,7 @@ class BodyLimitMiddleware:
         self.max_in_flight_per_caller = max_in_flight_per_caller
         self.in_flight = 0  # requests with a body being read or processed now (one event loop: no lock)
         self.in_flight_by_caller: Counter[str] = Counter()
+        self.refusal_answers = dict(refusal_answers or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -143,22 +154,32 @@ class BodyLimitMiddleware:
         response = error_response(408, f"the request body did not arrive within body_timeout={self.body_timeout:g} s "
                                        f"({size} bytes received)", param="body_timeout", code="request_timeout",
                                   headers={"connection": "close"})  # the rest is not drained
-        await response(scope, receive, send)
+        await self._send_refusal(response, scope, receive, send)
 
     async def _busy(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(503, f"the service is reading or processing max_in_flight={self.max_in_flight} "
                                        "requests; retry shortly", type="server_error", param="max_in_flight",
                                   code="server_busy", headers={"retry-after": "1", "connection": "close"})
-        await response(scope, receive, send)
+        await self._send_refusal(response, scope, receive, send)
 
     async def _too_many(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(429, "this caller has max_in_flight_per_caller="
                                        f"{self.max_in_flight_per_caller} requests in flight; retry after an answer",
                                   type="rate_limit_error", param="max_in_flight_per_caller",
                                   code="rate_limit_exceeded", headers={"retry-after": "1", "connection": "close"})
-        await response(scope, receive, send)
+        await self._send_refusal(response, scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
         response = error_response(413, f"{what} exceeds max_request_bytes={self.max_bytes}", param="max_request_bytes",
                                   code="limit_exceeded", headers={"connection": "close"})  # the rest is not drained
+        await self._send_refusal(response, scope, receive, send)
+
+    async def _send_refusal(self, response: JSONResponse, scope: Scope, receive: Receive, send: Send) -> None:
+        """``response``, or the path's own answer to it (``refusal_answers``), which keeps its connection header."""
+        answer = self.refusal_answers.get(scope.get("path", ""))
+        if answer is not None:
+            replaced = answer(response)
+            if "connection" in response.headers:
+                replaced.headers["connection"] = response.headers["connection"]
+            response = replaced  # type: ignore[assignment]
         await response(scope, receive, send)

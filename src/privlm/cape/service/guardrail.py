@@ -31,8 +31,10 @@ is left), never the text: budget exhausted, privacy step failed, images, over-lo
 the limit, a missing id, an audit log that cannot be written, or any unexpected error. So is every JSON object
 that does not hold a valid request (no ``request_data`` or ``request_data: null``, no or another ``input_type``,
 ``texts`` that are not strings, a field of the wrong type): the reason names the fields, never their values.
-Only a body that is not a JSON object at all gets a 4xx (OpenAI's error shape), as do the scaffolding's own
-refusals (key, size, host): with a fail-open LiteLLM those let the original through, so keep LiteLLM's default.
+So are the scaffolding's refusals of a request it cannot take now or at all: busy (``max_in_flight``), too many
+in flight for the caller, a body too large or too slow (:data:`REFUSAL_ANSWERS`). Only a body that is not a JSON
+object at all gets a 4xx (OpenAI's error shape), as do a missing or wrong key (401) and a wrong ``Host``: with
+``fail_on_error: false`` LiteLLM lets the original through on those, so keep LiteLLM's default.
 
 The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer``). LiteLLM sends
 its ``api_key`` setting as an ``x-api-key`` header, which privlm does not read: configure the key as an
@@ -42,12 +44,13 @@ its ``api_key`` setting as an ``x-api-key`` header, which privlm does not read: 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, Unpack
 
 from fastapi import APIRouter, Body, FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from privlm.accounting import BudgetExhaustedError
@@ -138,6 +141,18 @@ def _parsed(body: dict[str, Any]) -> GuardrailRequest:
 
 def _answer(response: GuardrailResponse, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(response.model_dump(exclude_none=True), headers=dict(headers or {}))
+
+
+def blocked_refusal(refusal: JSONResponse) -> Response:
+    """The scaffolding's refusal of a guardrail request (busy, too many in flight for the caller, too large, too
+    slow) as a ``200 BLOCKED`` naming it: with ``fail_open`` LiteLLM would forward the original on the error status
+    (:data:`REFUSAL_ANSWERS`, which every app serving the guardrail passes to the scaffolding)."""
+    error = json.loads(bytes(refusal.body))["error"]
+    return _answer(GuardrailResponse(action="BLOCKED", blocked_reason=f"privlm: {error['message']}; nothing may be "
+                                                                      "sent"))
+
+
+REFUSAL_ANSWERS = {GUARDRAIL_PATH: blocked_refusal}
 
 
 MAX_ID_CHARS = 256  # a key hash or an end-user id; the ledger keeps it
@@ -272,7 +287,7 @@ def create_guardrail_app(privacy: PromptPrivacy, *, api_keys: Sequence[str] = ()
     auth = BearerKeys(api_keys)
     router = guardrail_router(privacy, charge_to=charge_to, audit=audit, images=images)
     return create_service_app(title="privlm LiteLLM guardrail (Cape)", routers=[router], auth=auth,
-                              max_request_bytes=max_request_bytes,
+                              max_request_bytes=max_request_bytes, refusal_answers=REFUSAL_ANSWERS,
                               health=lambda: {"mechanism": privacy.mechanism, "epsilon": privacy.epsilon,
                                               "charge_to": charge_to, "images": images},
                               **service)
