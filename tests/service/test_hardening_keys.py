@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,7 @@ from privlm.service.auth import (
     load_key,
     load_keys,
     read_key_file,
+    request_key,
 )
 from privlm.service.process import stop
 from tests.service.localhost import serving, start_privlm_on_free_port
@@ -234,9 +236,9 @@ def toy_url():
         yield url
 
 
-def _status(url: str, request_line: str, values: list[str], body: bytes = b"") -> int:
+def _status(url: str, request_line: str, values: list[str], body: bytes = b"", *, lines: Sequence[str] = ()) -> int:
     port = int(url.rsplit(":", 1)[1])
-    head = [request_line, "host: x", *(f"authorization: {value}" for value in values),
+    head = [request_line, "host: x", *(f"authorization: {value}" for value in values), *lines,
             *([f"content-length: {len(body)}"] if body else []), "connection: close"]
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
@@ -247,15 +249,31 @@ def _status(url: str, request_line: str, values: list[str], body: bytes = b"") -
 @pytest.mark.parametrize(("values", "accepted"), HEADERS, ids=[repr(v) for v, _ in HEADERS])
 def test_finding_5_authorization_is_read_by_rfc_6750_on_both_paths(toy_url, values, accepted):
     """GET /metrics meets only the routes' dependency; POST /echo with a body meets the body-limit middleware
-    first (``BearerKeys.accepts_header``, before the body is read). Both give the same verdict on every header.
+    first (``request_key``, before the body is read). Both give the same verdict on every header.
     Before the fix, two Authorization headers split them: the middleware read the last, the routes the first."""
     expected = 200 if accepted else 401
     assert _status(toy_url, "GET /metrics HTTP/1.1", values) == expected
     assert _status(toy_url, "POST /echo HTTP/1.1", values, body=b"abc") == expected
     if len(values) <= 1:
         value = values[0] if values else None
-        assert BearerKeys([VALID]).accepts_header(value) is accepted
+        assert (request_key(bearer_key(value), None) == VALID) is accepted
         assert (bearer_key(value) == VALID) is accepted
+
+
+API_KEY_LINES = [  # (header lines, accepted): LiteLLM sends its api_key as x-api-key
+    (["x-api-key: k1"], True), (["x-api-key:   k1  "], True), (["x-api-key: nope"], False), (["x-api-key:"], False),
+    (["x-api-key: k1", "authorization: Bearer k1"], True),  # the same key twice
+    (["x-api-key: k1", "authorization: Basic azE6"], True),  # another scheme is no Bearer key: x-api-key's counts
+    (["x-api-key: k1", "authorization: Bearer nope"], False), (["x-api-key: nope", "authorization: Bearer k1"], False),
+    (["x-api-key: k1", "x-api-key: k1"], False),  # two headers of a kind: ambiguous
+]
+
+
+@pytest.mark.parametrize(("lines", "accepted"), API_KEY_LINES, ids=[repr(v) for v, _ in API_KEY_LINES])
+def test_an_x_api_key_header_is_accepted_alike_on_both_paths(toy_url, lines, accepted):
+    expected = 200 if accepted else 401
+    assert _status(toy_url, "GET /metrics HTTP/1.1", [], lines=lines) == expected
+    assert _status(toy_url, "POST /echo HTTP/1.1", [], body=b"abc", lines=lines) == expected
 
 
 # --- the help text -----------------------------------------------------------------------------------------

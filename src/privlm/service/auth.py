@@ -14,20 +14,24 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from privlm.accounting import Ledger, PrincipalHasher
 from privlm.service.errors import ServiceError
 
 ANONYMOUS = "anonymous"
 _bearer = HTTPBearer(auto_error=False, description="privlm API key")
+API_KEY_HEADER = "x-api-key"  # where LiteLLM (and Anthropic's SDK) put an API key
+_api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
+                               description="privlm API key, for clients that send it here (LiteLLM's api_key)")
 # What an API key may hold: visible ASCII, no whitespace. Anything else could not be sent, or would be
 # altered on the way (header values are latin-1, stripped), and so could never match.
 _KEY_CHARACTERS = re.compile(r"[\x21-\x7e]+")
 
 
 class BearerKeys:
-    """Accepts ``Authorization: Bearer <key>`` for any of ``keys`` (none: the service is open).
+    """Accepts ``Authorization: Bearer <key>``, or ``x-api-key: <key>``, for any of ``keys`` (none: the service is
+    open). A request with both must carry the same key in each (:func:`request_key`).
 
     Keys are compared as sha256 digests with :func:`secrets.compare_digest`, against every accepted
     key, so the time taken does not depend on how much of a key matched or on which key it was.
@@ -65,13 +69,15 @@ class BearerKeys:
     def open(self) -> bool:
         return not self._digests
 
-    def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                 api_key: Annotated[str | None, Depends(_api_key_header)]) -> str:
         """The principal: an HMAC of the caller's key, or ``anonymous`` on an open service."""
         if self.open:
             return ANONYMOUS
-        if credentials is None or not self.accepts(credentials.credentials):
+        key = request_key(credentials.credentials if credentials is not None else None, api_key)
+        if key is None or not self.accepts(key):
             raise self.refusal()
-        return self.principal(credentials.credentials)
+        return self.principal(key)
 
     @property
     def dependency(self) -> Callable[..., str]:
@@ -89,22 +95,25 @@ class BearerKeys:
             matched |= secrets.compare_digest(accepted, digest)
         return matched
 
-    def accepts_header(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header value carries an accepted Bearer key (see :func:`bearer_key`)."""
-        if self.open:
-            return True
-        key = bearer_key(authorization)
-        return key is not None and self.accepts(key)
-
     @staticmethod
     def refusal() -> ServiceError:
-        return ServiceError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+        return ServiceError(401, "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
                             type="authentication_error", code="invalid_api_key",
                             headers={"www-authenticate": "Bearer"})
 
 
 def _anonymous() -> str:
     return ANONYMOUS
+
+
+def request_key(bearer: str | None, api_key: str | None) -> str | None:
+    """The key a request carries: its Bearer key (:func:`bearer_key`) or its ``x-api-key`` value (stripped), or
+    None for neither, or for both with different keys (which one would be charged is not the client's to leave
+    open). The body-limit middleware and the routes' dependency both decide through this."""
+    api_key = api_key.strip() if api_key and api_key.strip() else None
+    if bearer and api_key and not secrets.compare_digest(bearer.encode(), api_key.encode()):
+        return None
+    return bearer or api_key
 
 
 def bearer_key(authorization: str | None) -> str | None:

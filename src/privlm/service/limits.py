@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from privlm.service.auth import BearerKeys, bearer_key
+from privlm.service.auth import API_KEY_HEADER, BearerKeys, bearer_key, request_key
 from privlm.service.errors import error_response
 
 BODY_TIMEOUT = 30.0  # seconds for a whole request body
@@ -81,9 +81,11 @@ class BodyLimitMiddleware:
         declared = headers.get(b"content-length", b"")
         has_body = (declared.isdigit() and int(declared) > 0) or b"transfer-encoding" in headers
         authorization = [value.decode("latin-1") for name, value in scope["headers"] if name == b"authorization"]
-        # Two Authorization headers are refused on every route: this check would read one, the routes another.
-        ambiguous = len(authorization) > 1 and not self.auth.open
-        if ambiguous or (has_body and not self.auth.accepts_header(authorization[0] if authorization else None)):
+        api_key = [value.decode("latin-1") for name, value in scope["headers"] if name == API_KEY_HEADER.encode()]
+        # Two headers of a kind are refused on every route: this check would read one, the routes another.
+        ambiguous = (len(authorization) > 1 or len(api_key) > 1) and not self.auth.open
+        key = request_key(bearer_key(authorization[0] if authorization else None), api_key[0] if api_key else None)
+        if ambiguous or (has_body and not self.auth.open and (key is None or not self.auth.accepts(key))):
             refusal = self.auth.refusal().response()
             refusal.headers["connection"] = "close"  # the unread body is not drained: the connection ends
             await refusal(scope, receive, send)
@@ -97,8 +99,7 @@ class BodyLimitMiddleware:
         if self.in_flight >= self.max_in_flight:
             await self._busy(scope, receive, send)
             return
-        key = None if self.auth.open else bearer_key(authorization[0] if authorization else None)
-        caller = self.auth.principal(key) if key is not None else None  # the key was accepted above
+        caller = self.auth.principal(key) if key is not None and not self.auth.open else None  # accepted above
         if caller is not None and self.in_flight_by_caller[caller] >= self.max_in_flight_per_caller:
             await self._too_many(scope, receive, send)
             return

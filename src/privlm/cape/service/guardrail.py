@@ -36,9 +36,8 @@ in flight for the caller, a body too large or too slow (:data:`REFUSAL_ANSWERS`)
 object at all gets a 4xx (OpenAI's error shape), as do a missing or wrong key (401) and a wrong ``Host``: with
 ``fail_on_error: false`` LiteLLM lets the original through on those, so keep LiteLLM's default.
 
-The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer``). LiteLLM sends
-its ``api_key`` setting as an ``x-api-key`` header, which privlm does not read: configure the key as an
-``Authorization`` entry of LiteLLM's ``headers`` setting instead (docs/litellm.md).
+The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer`` or
+``x-api-key``, where LiteLLM sends its ``api_key`` setting; docs/litellm.md).
 """
 
 from __future__ import annotations
