@@ -158,6 +158,7 @@ def test_a_chat_request_is_perturbed_in_place_keeping_stopwords(client):
     assert "blocked_reason" not in answer and "images" not in answer  # LiteLLM keeps what is not returned
     assert response.headers["x-privlm-mechanism"] == "cape"
     assert float(response.headers["x-privlm-epsilon"]) == EPS
+    assert float(response.headers["x-privlm-duration-ms"]) > 0  # the privacy step's own time
     assert float(response.headers["x-privlm-epsilon-spent"]) > 0
     assert int(response.headers["x-privlm-tokens-perturbed"]) > 0
 

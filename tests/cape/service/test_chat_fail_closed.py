@@ -103,3 +103,42 @@ def test_the_same_gateway_with_a_working_mechanism_forwards(stub: StubUpstream):
     assert response.status_code == 200, response.text
     [sent] = stub.received()
     assert not [word for word in SECRET_WORDS if word in sent["messages"][0]["content"]]
+
+
+def test_a_device_model_that_breaks_mid_release_forwards_nothing(stub: StubUpstream):
+    """cape-public on a real (tiny) causal device model whose forward pass works once, then raises: the release
+    stops after its first decode step, the real openai client gets a 500 naming no text, and nothing reached the
+    upstream, streaming or not."""
+    import functools
+
+    import openai
+
+    from privlm.cape.public import PublicContextCape
+    from privlm.cape.service.privacy import PromptPrivacy, token_counter
+    from tests.models.tiny import tiny_causal_lm
+
+    lm = tiny_causal_lm()
+    forward, calls = lm.model.forward, []
+
+    @functools.wraps(forward)
+    def breaking(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) % 2 == 0:  # every request's second decode step
+            raise RuntimeError("the device model is gone w1 w2")
+        return forward(*args, **kwargs)
+
+    lm.model.forward = breaking  # type: ignore[method-assign]
+    privacy = PromptPrivacy(lambda eps, generator, ledger, principal: PublicContextCape(
+        lm, epsilon=eps, generator=generator, ledger=ledger, principal=principal), mechanism="cape-public",
+        epsilon=2.0, count_tokens=token_counter(lm), ledger=None, max_prompt_tokens=8192, device="cpu")
+    stub.clear()
+    with chat_gateway(privacy, stub.url) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as raised:
+                client.chat.completions.create(model="stub-model", stream=stream,
+                                               messages=[{"role": "user", "content": "w1 w2 w3 the cat w4"}])
+            assert raised.value.status_code == 500 and "privacy_step_failed" in str(raised.value.body)
+            assert "w1" not in str(raised.value.body)
+    assert len(calls) == 4  # each request got one decode step through, then the break
+    assert stub.received() == []

@@ -244,5 +244,7 @@ def test_note_the_report_counts_the_sensitive_tokens_released_unchanged(stub, tm
     assert response.headers["x-privlm-tokens-unchanged"] == "3"  # Seattle, diabetes; Seattle
     report = response.json()["privlm"]
     assert report["tokens_unchanged"] == 3 and [t["tokens_unchanged"] for t in report["texts"]] == [2, 1]
+    duration = float(response.headers["x-privlm-duration-ms"])  # the privacy step's own time, in the body too
+    assert duration > 0 and report["duration_ms"] == round(duration, 1)
     [released] = [record for record in audit.records() if record["event"] == "released"]
     assert released["tokens_unchanged"] == 3

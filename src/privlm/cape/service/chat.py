@@ -117,7 +117,8 @@ def privacy_headers(result: PrivateTexts, request_id: str, dropped: Sequence[str
     headers = {"x-privlm-request-id": request_id, "x-privlm-mechanism": result.mechanism,
                "x-privlm-epsilon": f"{result.epsilon:g}", "x-privlm-epsilon-spent": f"{result.spent:.6g}",
                "x-privlm-tokens": str(result.tokens), "x-privlm-tokens-perturbed": str(result.tokens_perturbed),
-               "x-privlm-tokens-unchanged": str(result.tokens_unchanged)}
+               "x-privlm-tokens-unchanged": str(result.tokens_unchanged),
+               "x-privlm-duration-ms": f"{1e3 * result.seconds:.1f}"}
     if result.budget_remaining is not None:
         headers["x-privlm-budget-remaining"] = f"{result.budget_remaining:.6g}"
     if dropped:
@@ -140,6 +141,7 @@ def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: 
             "epsilon_spent": result.spent, "epsilon_paper": result.paper_total, "unit": str(result.unit),
             "tokens": result.tokens, "tokens_perturbed": result.tokens_perturbed,
             "tokens_unchanged": result.tokens_unchanged, "budget_remaining": result.budget_remaining,
+            "duration_ms": round(1e3 * result.seconds, 1),
             "texts": texts, "dropped": list(dropped),
             "guarantee": next((r.guarantee for r in result.reports if r is not None), None)}
 

@@ -13,6 +13,7 @@ forward anything.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class PrivateTexts:
     epsilon: float
     unit: PrivacyUnit
     budget_remaining: float | None
+    seconds: float = 0.0  # the privacy step's own time: the charge, the perturbation and the checks
 
     @property
     def spent(self) -> float:
@@ -170,6 +172,7 @@ class PromptPrivacy:
 
     def privatize(self, texts: Sequence[str], *, principal: str, epsilon: float | None = None) -> PrivateTexts:
         """Every non-blank text perturbed by one fresh perturber, charged to ``principal`` first (blocking)."""
+        started = time.perf_counter()
         eps = self.epsilon if epsilon is None else epsilon
         wanted = [i for i, text in enumerate(texts) if text.strip()]
         released, reports = list(texts), [None] * len(texts)
@@ -187,7 +190,8 @@ class PromptPrivacy:
             for i, result in zip(wanted, results, strict=True):
                 released[i], reports_out[i] = result.text, result.report
         return PrivateTexts(texts=released, reports=reports_out, mechanism=self.mechanism, epsilon=eps,
-                            unit=self.unit, budget_remaining=self.remaining(principal))
+                            unit=self.unit, budget_remaining=self.remaining(principal),
+                            seconds=time.perf_counter() - started)
 
 
 def _check_results(results: Sequence[object], expected: int, *, charged: bool) -> None:
