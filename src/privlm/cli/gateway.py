@@ -55,6 +55,9 @@ def gateway(
                                                               "default: the upstream's list).")] = None,
     perturb_system: Annotated[bool, typer.Option("--perturb-system", help="Chat: perturb system and developer "
                                                                           "messages too.")] = False,
+    perturb_tool_results: Annotated[bool, typer.Option("--perturb-tool-results", help="Chat: perturb tool results "
+                                    "and tool-call arguments too (JSON-aware: string values perturbed, keys and "
+                                    "structure kept), charged like user text.")] = False,
     non_text_parts: Annotated[str, typer.Option(help="Chat: refuse (400) or pass (forward unchanged) images, "
                                                      "audio and files in perturbed messages.")] = "refuse",
     report_in_body: Annotated[bool, typer.Option("--report-in-body", help="Chat: a `privlm` report field in every "
@@ -131,7 +134,8 @@ def gateway(
         truncate=truncate, max_request_tokens=max_request_tokens, budget=budget, ledger=ledger, shared=not keys)
     chat = None if chat_upstream is None else _chat_setup(
         chat_upstream, key_env=chat_upstream_key_env, epsilon=epsilon, mechanism=mechanism, logit_bound=logit_bound,
-        device_model=device_model, models=chat_model, perturb_system=perturb_system, non_text_parts=non_text_parts,
+        device_model=device_model, models=chat_model, perturb_system=perturb_system,
+        perturb_tool_results=perturb_tool_results, non_text_parts=non_text_parts,
         report_in_body=report_in_body, message_names=message_names,
         extract_model=extract_model if extract else None, budget=chat_budget,
         ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge, audit_log=audit_log,
@@ -170,7 +174,8 @@ def _embeddings_setup(server: str, *, eta: float | None, server_key: str | None,
 
 
 def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mechanism: str, logit_bound: Path | None,
-                device_model: str, models: list[str] | None, perturb_system: bool, non_text_parts: str,
+                device_model: str, models: list[str] | None, perturb_system: bool, perturb_tool_results: bool,
+                non_text_parts: str,
                 report_in_body: bool, message_names: str, extract_model: str | None, budget: float | None,
                 ledger: Path | None,
                 guardrail: bool, guardrail_charge: str, audit_log: Path | None, max_prompt_tokens: int,
@@ -235,7 +240,8 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
     charge: Literal["key", "end-user"] = "end-user" if guardrail_charge == "end-user" else "key"
     parts: Literal["refuse", "pass"] = "pass" if non_text_parts == "pass" else "refuse"
     return ChatSetup(privacy=privacy, upstream=upstream, models=listed,
-                     options=ChatOptions(perturb_system=perturb_system, non_text_parts=parts,
+                     options=ChatOptions(perturb_system=perturb_system, perturb_tool_results=perturb_tool_results,
+                                         non_text_parts=parts,
                                          report_in_body=report_in_body, message_names=names),
                      audit=audit, extractor=extractor, guardrail=guardrail, guardrail_charge=charge)
 

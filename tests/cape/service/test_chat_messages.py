@@ -67,8 +67,9 @@ def request_body() -> dict[str, Any]:
 def gateways(cape_privacy, stub) -> Iterator[dict[str, str]]:
     with (chat_gateway(cape_privacy, stub.url) as default,
           chat_gateway(cape_privacy, stub.url, options=ChatOptions(perturb_system=True)) as system,
-          chat_gateway(cape_privacy, stub.url, options=ChatOptions(non_text_parts="pass")) as passing):
-        yield {"default": default, "system": system, "pass": passing}
+          chat_gateway(cape_privacy, stub.url, options=ChatOptions(non_text_parts="pass")) as passing,
+          chat_gateway(cape_privacy, stub.url, options=ChatOptions(perturb_tool_results=True)) as tools):
+        yield {"default": default, "system": system, "pass": passing, "tools": tools}
 
 
 def forward(url: str, stub: StubUpstream, body: dict[str, Any]) -> tuple[httpx.Response, dict[str, Any]]:
@@ -105,6 +106,29 @@ def test_only_user_text_is_perturbed_and_everything_else_is_forwarded_as_sent(ga
     assert report["dropped"] == ["messages.2.name"]
 
 
+def test_tool_results_and_arguments_are_perturbed_json_aware_when_asked(gateways, stub):
+    """--perturb-tool-results: the tool and function results (not JSON: as text) and the tool call's arguments
+    (JSON: each string value, keys and structure kept) perturbed and charged like user text; the function's name,
+    the call's id and the assistant's own text forwarded as sent."""
+    sent = request_body()
+    response, received = forward(gateways["tools"], stub, copy.deepcopy(sent))
+    before, after = sent["messages"], received["messages"]
+    arguments = json.loads(after[3]["tool_calls"][0]["function"]["arguments"])
+    assert set(arguments) == {"name", "city", "dob"} and arguments["name"] != "Alice Smith"
+    assert after[3]["tool_calls"][0]["id"] == "call_1" and after[3]["tool_calls"][0]["function"]["name"] == \
+        "lookup_patient"
+    assert after[4]["content"] != before[4]["content"] and after[4]["tool_call_id"] == "call_1"
+    assert after[7]["content"] != before[7]["content"] and after[7]["name"] == "lookup"
+    assert after[5] == before[5]  # the assistant's text: the upstream's own output
+    texts = {t["path"]: t for t in response.json()["privlm"]["texts"]}
+    arguments_at = "messages.3.tool_calls.0.function.arguments#/"
+    tool_paths = [f"{arguments_at}name", f"{arguments_at}city", f"{arguments_at}dob", "messages.4.content",
+                  "messages.7.content"]
+    assert set(tool_paths) <= set(texts)
+    assert all(texts[path]["epsilon_spent"] > 0 for path in tool_paths)  # charged like user text
+    assert texts["messages.3.tool_calls.0.function.arguments#/name"]["sent"] == arguments["name"]
+
+
 def test_system_and_developer_are_perturbed_when_asked(gateways, stub):
     sent = request_body()
     response, received = forward(gateways["system"], stub, copy.deepcopy(sent))
@@ -135,3 +159,31 @@ def test_non_text_parts_pass_unchanged_when_the_gateway_is_told_to(gateways, stu
     text, image = received["messages"][0]["content"]
     assert image == IMAGE
     assert text["type"] == "text" and text["text"] != PART_1
+
+
+def test_a_json_tool_result_keeps_its_keys_numbers_and_structure():
+    """The string values of a JSON tool result are its texts (JSON-pointer paths, keys escaped); written back, the
+    document keeps everything else; a result that is not JSON is one text."""
+    from privlm.cape.service.messages import perturbed_fields, with_texts
+    from privlm.service.chat import ChatCompletionRequest
+
+    document = {"patient": {"name": "Maria Gonzalez", "age": 34, "tags": ["asthma", "x/y"]}, "a/b~c": "Seattle",
+                "ok": True, "none": None}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"},
+                                       {"role": "tool", "tool_call_id": "c", "content": json.dumps(document)},
+                                       {"role": "tool", "tool_call_id": "d", "content": "Maria's record: {asthma"},
+                                       {"role": "tool", "tool_call_id": "e", "content": '"Maria"'}]}
+    request = ChatCompletionRequest.model_validate(body)
+    assert [slot.path for slot in perturbed_fields(request).slots] == ["messages.0.content"]  # off by default
+    fields = perturbed_fields(request, perturb_tool_results=True)
+    assert [slot.path for slot in fields.slots] == [
+        "messages.0.content", "messages.1.content#/patient/name", "messages.1.content#/patient/tags/0",
+        "messages.1.content#/patient/tags/1", "messages.1.content#/a~1b~0c", "messages.2.content",
+        "messages.3.content#"]
+    assert fields.texts[1:5] == ["Maria Gonzalez", "asthma", "x/y", "Seattle"]
+    released = with_texts(body, fields.slots, [f"t{i}" for i in range(len(fields.texts))])
+    assert json.loads(released["messages"][1]["content"]) == {
+        "patient": {"name": "t1", "age": 34, "tags": ["t2", "t3"]}, "a/b~c": "t4", "ok": True, "none": None}
+    assert released["messages"][2]["content"] == "t5"  # not JSON: one text
+    assert json.loads(released["messages"][3]["content"]) == "t6"  # a JSON string: still JSON
+    assert body["messages"][1]["content"] == json.dumps(document)  # the request itself is not changed

@@ -84,12 +84,14 @@ class ChatOptions:
     """``perturb_system``: also perturb system and developer messages. ``non_text_parts``: refuse (400) or pass
     through unchanged the non-text parts of perturbed messages. ``report_in_body``: the ``privlm`` body field
     on every answer (else only when a request asks for it). ``message_names``: the ``name`` of a perturbed
-    message is dropped (and reported), perturbed like its text, or refused (400)."""
+    message is dropped (and reported), perturbed like its text, or refused (400). ``perturb_tool_results``: also
+    tool results and tool-call arguments, JSON-aware (:mod:`privlm.cape.service.messages`)."""
 
     perturb_system: bool = False
     non_text_parts: NonTextParts = "refuse"
     report_in_body: bool = False
     message_names: MessageNames = "drop"
+    perturb_tool_results: bool = False
 
 
 def _header(description: str) -> dict[str, object]:
@@ -132,6 +134,7 @@ def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: 
     texts = []
     for slot, sent, report in zip(slots, result.texts, result.reports, strict=True):
         texts.append({"message": slot.message, "part": slot.part, "role": slot.role, "field": slot.field,
+                      "path": slot.path,
                       "sent": slot.placed(sent), "tokens": 0 if report is None else report.n_tokens,
                       "tokens_perturbed": 0 if report is None else report.n_perturbed,
                       "tokens_changed": 0 if report is None else report.n_changed,
@@ -216,7 +219,8 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
         epsilon = _request_epsilon(privacy, request, header_epsilon)
         assistant = extractor is not None
         fields = perturbed_fields(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
-                                  non_text_parts=options.non_text_parts, message_names=options.message_names)
+                                  non_text_parts=options.non_text_parts, message_names=options.message_names,
+                                  perturb_tool_results=options.perturb_tool_results)
         slots, texts = fields.slots, fields.texts
         privacy.check_lengths(texts)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"

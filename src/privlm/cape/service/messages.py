@@ -4,10 +4,16 @@ Perturbed: the text content of every ``user`` message, of ``system`` and ``devel
 gateway is told to (``perturb_system``), and of ``assistant`` messages when it extracts answers locally
 (``perturb_assistant``: the answers it returned then come from the original prompt). A string content is
 one text; in a list of parts each text part is one text. Never touched: ``tool`` and ``function`` messages
-(the results of the app's tools), ``assistant`` messages otherwise (the upstream's own output), tool-call
-arguments, tool definitions, and every other field of the request.
+(the results of the app's tools) and tool-call arguments unless ``perturb_tool_results`` (below), ``assistant``
+messages otherwise (the upstream's own output), tool definitions, and every other field of the request.
 A non-text part (an image, audio, a file) of a perturbed message cannot be perturbed: it is refused (400)
 unless the gateway passes such parts through on purpose (``non_text_parts="pass"``).
+
+Tool results (``perturb_tool_results``): the content of ``tool`` and ``function`` messages, and the arguments of
+an assistant's tool calls (``tool_calls[k].function.arguments``, the legacy ``function_call.arguments``), are
+perturbed JSON-aware: a text that parses as JSON has each of its string values perturbed as one text, its keys,
+numbers, booleans, nulls and structure kept (it is written back compactly, so its spacing may change); a text that
+does not parse is perturbed as text. JSON keys are not perturbed: keep personal data out of them.
 
 Every key of a perturbed message and of its text parts is handled on purpose, never passed silently:
 ``name`` (the participant's name, which can be a person's) is dropped before forwarding and reported
@@ -19,6 +25,7 @@ is refused (400 ``unsupported_field``, naming it).
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,21 +55,43 @@ TEXT_PART_KEYS = frozenset({"type", "text"}) | CACHE_MARKERS
 _NOT_IN_A_NAME = re.compile(r"[\s<|\\/>]")  # what OpenAI refuses in a message name
 
 
+JsonPath = tuple[str | int, ...]
+SlotField = Literal["content", "name", "arguments"]
+TOOL_ROLES = frozenset({"tool", "function"})
+
+
 @dataclass(frozen=True)
 class TextSlot:
-    """Where one perturbed text sits: ``messages[message].content``, ``...content[part].text`` or
-    ``messages[message].name`` (``field="name"``)."""
+    """Where one perturbed text sits: ``messages[message].content``, ``...content[part].text``,
+    ``messages[message].name`` (``field="name"``) or a tool call's arguments (``field="arguments"``:
+    ``tool_calls[call].function.arguments``, or ``function_call.arguments`` when ``call`` is None); with
+    ``json_path``, the string at that path inside the JSON document held there."""
 
     message: int
     part: int | None
     role: str
-    field: Literal["content", "name"] = "content"
+    field: SlotField = "content"
+    call: int | None = None
+    json_path: JsonPath | None = None
+
+    @property
+    def place(self) -> str:
+        """The request field holding the text (or the JSON document)."""
+        base = f"messages.{self.message}"
+        if self.field == "name":
+            return f"{base}.name"
+        if self.field == "arguments":
+            return f"{base}.function_call.arguments" if self.call is None else \
+                f"{base}.tool_calls.{self.call}.function.arguments"
+        return f"{base}.content" + ("" if self.part is None else f".{self.part}.text")
 
     @property
     def path(self) -> str:
-        if self.field == "name":
-            return f"messages.{self.message}.name"
-        return f"messages.{self.message}.content" + ("" if self.part is None else f".{self.part}.text")
+        """The place, then the JSON pointer of the string inside it (``#/patient/name``)."""
+        if self.json_path is None:
+            return self.place
+        return self.place + "#" + "".join("/" + str(key).replace("~", "~0").replace("/", "~1")
+                                          for key in self.json_path)  # RFC 6901; "#" alone: the whole document
 
     def placed(self, text: str) -> str:
         """``text`` as it goes in this slot: a perturbed name with OpenAI's forbidden characters made ``_``."""
@@ -87,7 +116,7 @@ class PerturbedFields:
 
 def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = False,
                      perturb_assistant: bool = False, non_text_parts: NonTextParts = "refuse",
-                     message_names: MessageNames = "drop") -> PerturbedFields:
+                     message_names: MessageNames = "drop", perturb_tool_results: bool = False) -> PerturbedFields:
     """Every text to perturb, with its place, and every field to drop; a non-text part of a perturbed message
     is refused unless passed, and so is any key of a perturbed message or text part that is not handled on
     purpose.
@@ -95,7 +124,8 @@ def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = F
     ``perturb_assistant``: also assistant messages' text (their tool calls stay as they are). A gateway with
     response-side extraction needs it: the answers it returned were written from the original prompt, so
     they may hold its details, and a client sends them back as history. ``message_names``: what becomes of a
-    perturbed message's ``name`` (see the module doc).
+    perturbed message's ``name`` (see the module doc). ``perturb_tool_results``: also tool results and tool-call
+    arguments, JSON-aware (the module doc).
     """
     roles = perturbed_roles(perturb_system, perturb_assistant)
     fields = PerturbedFields([], [], [])
@@ -118,7 +148,52 @@ def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = F
                                         "perturbed; send text, or start the gateway with --non-text-parts pass to "
                                         "forward such parts unchanged", param=f"messages.{i}.content.{j}",
                                    code="unsupported_content")
+    if perturb_tool_results:
+        _add_tool_texts(fields, request)
     return fields
+
+
+def _add_tool_texts(fields: PerturbedFields, request: ChatCompletionRequest) -> None:
+    """Every tool result (``tool`` and ``function`` content, string or text parts) and tool-call argument."""
+    for i, message in enumerate(request.messages):
+        if message.role in TOOL_ROLES and isinstance(message.content, str):
+            _add_document(fields, TextSlot(i, None, message.role), message.content)
+        elif message.role in TOOL_ROLES and message.content is not None:
+            for j, part in enumerate(message.content):
+                if isinstance(part, TextPart):
+                    _add_document(fields, TextSlot(i, j, message.role), part.text)
+        if message.role == "assistant":
+            extra = message.model_extra or {}
+            calls = extra.get("tool_calls")
+            for k, call in enumerate(calls if isinstance(calls, list) else []):
+                arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+                if isinstance(arguments, str):
+                    _add_document(fields, TextSlot(i, None, message.role, field="arguments", call=k), arguments)
+            legacy = extra.get("function_call")
+            if isinstance(legacy, dict) and isinstance(legacy.get("arguments"), str):
+                _add_document(fields, TextSlot(i, None, message.role, field="arguments"), legacy["arguments"])
+
+
+def _add_document(fields: PerturbedFields, slot: TextSlot, text: str) -> None:
+    """``text`` as JSON (each string value a text) when it parses as JSON, else as one text."""
+    try:
+        document = json.loads(text)
+    except ValueError:
+        _add_text(fields, slot, text)
+        return
+    for path, value in json_strings(document):
+        _add_text(fields, TextSlot(slot.message, slot.part, slot.role, slot.field, slot.call, path), value)
+
+
+def json_strings(document: Any, path: JsonPath = ()) -> list[tuple[JsonPath, str]]:
+    """Every string value of a JSON document with its path, in document order (keys are not values)."""
+    if isinstance(document, str):
+        return [(path, document)]
+    if isinstance(document, dict):
+        return [found for key, value in document.items() for found in json_strings(value, (*path, key))]
+    if isinstance(document, list):
+        return [found for index, value in enumerate(document) for found in json_strings(value, (*path, index))]
+    return []
 
 
 def _add_text(fields: PerturbedFields, slot: TextSlot, text: str) -> None:
@@ -157,15 +232,51 @@ def with_texts(body: dict[str, Any], slots: Sequence[TextSlot], texts: Sequence[
     """A copy of the request ``body`` (as JSON) with each slot's text replaced and the ``dropped`` paths
     (``messages.<i>.<key>``) removed; nothing else changes."""
     out = copy.deepcopy(body)
+    documents: dict[tuple[int, int | None, SlotField, int | None], Any] = {}  # a place's JSON, strings replaced
     for slot, text in zip(slots, texts, strict=True):
-        message = out["messages"][slot.message]
-        if slot.field == "name":
-            message["name"] = slot.placed(text)
-        elif slot.part is None:
-            message["content"] = text
-        else:
-            message["content"][slot.part]["text"] = text
+        if slot.json_path is None:
+            _write(out, slot, slot.placed(text))
+            continue
+        place = (slot.message, slot.part, slot.field, slot.call)
+        if place not in documents:
+            documents[place] = json.loads(_read(out, slot))
+        documents[place] = _replaced(documents[place], slot.json_path, text)
+    for (message, part, field, call), document in documents.items():
+        _write(out, TextSlot(message, part, "", field, call), json.dumps(document, ensure_ascii=False,
+                                                                        separators=(",", ":")))
     for path in dropped:
         _, index, key = path.split(".")
         out["messages"][int(index)].pop(key, None)
     return out
+
+
+def _container(body: dict[str, Any], slot: TextSlot) -> tuple[dict[str, Any], str]:
+    """The JSON object holding a slot's place, and the key of the place in it."""
+    message = body["messages"][slot.message]
+    if slot.field == "name":
+        return message, "name"
+    if slot.field == "arguments":
+        call = message["function_call"] if slot.call is None else message["tool_calls"][slot.call]["function"]
+        return call, "arguments"
+    return (message, "content") if slot.part is None else (message["content"][slot.part], "text")
+
+
+def _read(body: dict[str, Any], slot: TextSlot) -> str:
+    holder, key = _container(body, slot)
+    return str(holder[key])
+
+
+def _write(body: dict[str, Any], slot: TextSlot, text: str) -> None:
+    holder, key = _container(body, slot)
+    holder[key] = text
+
+
+def _replaced(document: Any, path: JsonPath, text: str) -> Any:
+    """``document`` with the string at ``path`` replaced by ``text`` (in place below the top)."""
+    if not path:
+        return text
+    holder = document
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1]] = text
+    return document
