@@ -381,7 +381,7 @@ def test_a_saturated_guardrail_answers_blocked_not_an_error_status(limits, named
     its step fails. A missing key is still 401."""
     entered, release = threading.Event(), threading.Event()
     app = create_guardrail_app(held_privacy(entered, release), api_keys=["litellm-key"], **limits)
-    auth = {"Authorization": "Bearer litellm-key"}
+    auth = {"x-api-key": "litellm-key"}  # where LiteLLM sends its api_key
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
         held = pool.submit(post, http, litellm_body([SECRET]), **auth)
         assert entered.wait(30)
@@ -390,3 +390,25 @@ def test_a_saturated_guardrail_answers_blocked_not_an_error_status(limits, named
         release.set()
         assert_blocked(held.result(), "privacy step failed")
         assert_blocked(post(http, litellm_body([SECRET]), **auth), "privacy step failed")  # a place again
+
+
+def test_over_the_connection_cap_the_guardrail_answers_blocked():
+    """max_connections=1 and one idle connection held open: a guardrail request (with LiteLLM's x-api-key) is
+    answered 200 BLOCKED naming the cap, where /health gets the 503 (which a fail-open LiteLLM forwards past)."""
+    import socket
+    import time
+
+    app = create_guardrail_app(fake_privacy(), api_keys=["litellm-key"])
+    with serving_guarded(app, max_connections=1, header_timeout=30) as url:
+        host, port = url.removeprefix("http://").split(":")
+        idle = socket.create_connection((host, int(port)), timeout=10)
+        try:
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/health", timeout=10).status_code != 503:  # the idle one is counted
+                assert time.monotonic() < deadline
+            answer = httpx.post(f"{url}{GUARDRAIL_PATH}", json=litellm_body([SECRET]),
+                                headers={"x-api-key": "litellm-key"}, timeout=10)
+            assert_blocked(answer, "too many open connections")
+            assert answer.headers["connection"] == "close"
+        finally:
+            idle.close()

@@ -69,6 +69,7 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     metrics = ServiceMetrics()
     app.state.metrics = metrics
+    app.state.refusal_answers = dict(refusal_answers or {})  # the connection cap reads them too (serving.py)
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth, body_timeout=body_timeout,
                        max_in_flight=max_in_flight, max_in_flight_per_caller=max_in_flight_per_caller,

@@ -176,11 +176,24 @@ class BodyLimitMiddleware:
         await self._send_refusal(response, scope, receive, send)
 
     async def _send_refusal(self, response: JSONResponse, scope: Scope, receive: Receive, send: Send) -> None:
-        """``response``, or the path's own answer to it (``refusal_answers``), which keeps its connection header."""
-        answer = self.refusal_answers.get(scope.get("path", ""))
-        if answer is not None:
-            replaced = answer(response)
-            if "connection" in response.headers:
-                replaced.headers["connection"] = response.headers["connection"]
-            response = replaced  # type: ignore[assignment]
-        await response(scope, receive, send)
+        await answered(response, scope, self.refusal_answers)(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path as the app routes it: without the server's ``root_path`` or a trailing ``/``."""
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path.rstrip("/") or "/"
+
+
+def answered(refusal: JSONResponse, scope: Scope, answers: Mapping[str, RefusalAnswer]) -> Response:
+    """``refusal``, or the request path's own answer to it (``answers``), which keeps its connection header. The
+    body-limit middleware and the connection cap (:mod:`privlm.service.serving`) both answer through this."""
+    answer = answers.get(_route_path(scope))
+    if answer is None:
+        return refusal
+    replaced = answer(refusal)
+    if "connection" in refusal.headers:
+        replaced.headers["connection"] = refusal.headers["connection"]
+    return replaced

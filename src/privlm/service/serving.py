@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import h11
@@ -27,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from privlm.service.errors import error_response
+from privlm.service.limits import RefusalAnswer, answered
 
 HEADER_TIMEOUT = 10.0  # seconds for a request's headers
 KEEP_ALIVE_TIMEOUT = 5  # seconds an idle kept-alive connection stays open
@@ -36,11 +39,14 @@ SHUTDOWN_TIMEOUT = 25  # seconds a graceful stop waits for requests in flight (s
 log = logging.getLogger("privlm.service")
 
 
-async def _overloaded(scope: Scope, receive: Receive, send: Send) -> None:
-    response = error_response(503, "the service has too many open connections; retry shortly", type="server_error",
-                              param="max_connections", code="server_busy",
-                              headers={"retry-after": "1", "connection": "close"})
-    await response(scope, receive, send)
+def _overloaded(answers: Mapping[str, RefusalAnswer]) -> ASGIApp:
+    """The app of a connection over the cap: a 503, or its path's own answer to it (``refusal_answers``)."""
+    async def overloaded(scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(503, "the service has too many open connections; retry shortly",
+                                  type="server_error", param="max_connections", code="server_busy",
+                                  headers={"retry-after": "1", "connection": "close"})
+        await answered(response, scope, answers)(scope, receive, send)
+    return overloaded
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -52,6 +58,7 @@ class GuardedH11Protocol(H11Protocol):
 
     header_timeout: float = HEADER_TIMEOUT
     max_connections: int | None = MAX_CONNECTIONS
+    refusal_answers: Mapping[str, RefusalAnswer] = MappingProxyType({})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,7 +67,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
-            self.app = _overloaded  # every request on this connection gets a 503, then it closes
+            self.app = _overloaded(self.refusal_answers)  # every request on it gets a 503, then it closes
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -98,23 +105,27 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def guarded_protocol(*, header_timeout: float = HEADER_TIMEOUT,
-                     max_connections: int | None = MAX_CONNECTIONS) -> type[GuardedH11Protocol]:
-    """A :class:`GuardedH11Protocol` with these limits, for uvicorn's ``http=``."""
+def guarded_protocol(*, header_timeout: float = HEADER_TIMEOUT, max_connections: int | None = MAX_CONNECTIONS,
+                     refusal_answers: Mapping[str, RefusalAnswer] | None = None) -> type[GuardedH11Protocol]:
+    """A :class:`GuardedH11Protocol` with these limits, for uvicorn's ``http=``; ``refusal_answers``: the app's
+    own answers to the connection cap's 503, by path (what ``create_service_app`` keeps in ``app.state``)."""
     if not header_timeout > 0:
         raise ValueError(f"header_timeout must be > 0 seconds, got {header_timeout}")
     if max_connections is not None and max_connections < 1:
         raise ValueError(f"max_connections must be >= 1 (or None), got {max_connections}")
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_timeout": float(header_timeout), "max_connections": max_connections})
+                {"header_timeout": float(header_timeout), "max_connections": max_connections,
+                 "refusal_answers": MappingProxyType(dict(refusal_answers or {}))})
 
 
 def service_config(app: ASGIApp, *, host: str, port: int, header_timeout: float = HEADER_TIMEOUT,
                    keep_alive_timeout: int = KEEP_ALIVE_TIMEOUT, max_connections: int | None = MAX_CONNECTIONS,
                    shutdown_timeout: int | None = SHUTDOWN_TIMEOUT, log_level: str = "warning") -> uvicorn.Config:
     """The uvicorn configuration :func:`run_service` runs (tests run it on a thread)."""
+    answers = getattr(getattr(app, "state", None), "refusal_answers", None)
     return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(header_timeout=header_timeout,
-                                                                         max_connections=max_connections),
+                                                                         max_connections=max_connections,
+                                                                         refusal_answers=answers),
                           timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=shutdown_timeout,
                           log_level=log_level, server_header=False)
 

@@ -105,10 +105,10 @@ def test_the_same_gateway_with_a_working_mechanism_forwards(stub: StubUpstream):
     assert not [word for word in SECRET_WORDS if word in sent["messages"][0]["content"]]
 
 
-def test_a_device_model_that_breaks_mid_release_forwards_nothing(stub: StubUpstream):
+def test_a_device_model_that_breaks_mid_release_forwards_nothing(stub: StubUpstream, tmp_path: Path):
     """cape-public on a real (tiny) causal device model whose forward pass works once, then raises: the release
     stops after its first decode step, the real openai client gets a 500 naming no text, and nothing reached the
-    upstream, streaming or not."""
+    upstream, streaming or not. The charge made before the first draw stands, so the answer says not to retry."""
     import functools
 
     import openai
@@ -130,7 +130,8 @@ def test_a_device_model_that_breaks_mid_release_forwards_nothing(stub: StubUpstr
     lm.model.forward = breaking  # type: ignore[method-assign]
     privacy = PromptPrivacy(lambda eps, generator, ledger, principal: PublicContextCape(
         lm, epsilon=eps, generator=generator, ledger=ledger, principal=principal), mechanism="cape-public",
-        epsilon=2.0, count_tokens=token_counter(lm), ledger=None, max_prompt_tokens=8192, device="cpu")
+        epsilon=2.0, count_tokens=token_counter(lm), max_prompt_tokens=8192, device="cpu",
+        ledger=Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0}))
     stub.clear()
     with chat_gateway(privacy, stub.url) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
@@ -140,5 +141,7 @@ def test_a_device_model_that_breaks_mid_release_forwards_nothing(stub: StubUpstr
                                                messages=[{"role": "user", "content": "w1 w2 w3 the cat w4"}])
             assert raised.value.status_code == 500 and "privacy_step_failed" in str(raised.value.body)
             assert "w1" not in str(raised.value.body)
+            assert raised.value.response.headers["x-should-retry"] == "false"
     assert len(calls) == 4  # each request got one decode step through, then the break
     assert stub.received() == []
+    assert privacy.ledger is not None and privacy.ledger.spent("anonymous", PrivacyUnit.EPSILON) == 2 * 5 * 2.0

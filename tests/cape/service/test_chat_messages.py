@@ -162,28 +162,49 @@ def test_non_text_parts_pass_unchanged_when_the_gateway_is_told_to(gateways, stu
 
 
 def test_a_json_tool_result_keeps_its_keys_numbers_and_structure():
-    """The string values of a JSON tool result are its texts (JSON-pointer paths, keys escaped); written back, the
-    document keeps everything else; a result that is not JSON is one text."""
+    """The non-blank string values of a JSON object or array are its texts (JSON-pointer paths, keys escaped);
+    written back, the document keeps everything else. Anything else is one text: not JSON, a bare scalar (a
+    phone number), duplicate keys (only the last would be seen), a non-finite number."""
     from privlm.cape.service.messages import perturbed_fields, with_texts
     from privlm.service.chat import ChatCompletionRequest
 
-    document = {"patient": {"name": "Maria Gonzalez", "age": 34, "tags": ["asthma", "x/y"]}, "a/b~c": "Seattle",
+    document = {"patient": {"name": "Maria Gonzalez", "age": 34, "tags": ["asthma", "x/y", " "]}, "a/b~c": "Seattle",
                 "ok": True, "none": None}
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"},
-                                       {"role": "tool", "tool_call_id": "c", "content": json.dumps(document)},
-                                       {"role": "tool", "tool_call_id": "d", "content": "Maria's record: {asthma"},
-                                       {"role": "tool", "tool_call_id": "e", "content": '"Maria"'}]}
+    as_text = ["Maria's record: {asthma", '"Maria"', "5551234567", '{"name": "Maria Gonzalez", "name": 1}',
+               '{"n": 1e400}', "[" * 100_000]
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": json.dumps(document)},
+        *({"role": "tool", "tool_call_id": f"t{i}", "content": text} for i, text in enumerate(as_text))]}
     request = ChatCompletionRequest.model_validate(body)
     assert [slot.path for slot in perturbed_fields(request).slots] == ["messages.0.content"]  # off by default
     fields = perturbed_fields(request, perturb_tool_results=True)
     assert [slot.path for slot in fields.slots] == [
         "messages.0.content", "messages.1.content#/patient/name", "messages.1.content#/patient/tags/0",
-        "messages.1.content#/patient/tags/1", "messages.1.content#/a~1b~0c", "messages.2.content",
-        "messages.3.content#"]
-    assert fields.texts[1:5] == ["Maria Gonzalez", "asthma", "x/y", "Seattle"]
+        "messages.1.content#/patient/tags/1", "messages.1.content#/a~1b~0c",
+        *(f"messages.{i}.content" for i in range(2, 2 + len(as_text)))]
+    assert fields.texts[1:5] == ["Maria Gonzalez", "asthma", "x/y", "Seattle"] and fields.texts[5:] == as_text
     released = with_texts(body, fields.slots, [f"t{i}" for i in range(len(fields.texts))])
     assert json.loads(released["messages"][1]["content"]) == {
-        "patient": {"name": "t1", "age": 34, "tags": ["t2", "t3"]}, "a/b~c": "t4", "ok": True, "none": None}
-    assert released["messages"][2]["content"] == "t5"  # not JSON: one text
-    assert json.loads(released["messages"][3]["content"]) == "t6"  # a JSON string: still JSON
+        "patient": {"name": "t1", "age": 34, "tags": ["t2", "t3", " "]}, "a/b~c": "t4", "ok": True, "none": None}
+    assert [m["content"] for m in released["messages"][2:]] == [f"t{i}" for i in range(5, 5 + len(as_text))]
     assert body["messages"][1]["content"] == json.dumps(document)  # the request itself is not changed
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "tool", "tool_call_id": "c", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "custom",
+                                                           "custom": {"name": "f", "input": "Maria Gonzalez"}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                           "function": {"name": "f", "arguments": {"a": "Maria"}}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": None}]},
+    {"role": "assistant", "content": None, "function_call": {"name": "f"}}])
+def test_what_cannot_be_perturbed_in_tool_results_is_refused_by_name(message):
+    from privlm.cape.service.messages import perturbed_fields
+    from privlm.service import ServiceError
+    from privlm.service.chat import ChatCompletionRequest
+
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
+    assert perturbed_fields(request).slots == []  # without the flag: forwarded as sent, as documented
+    with pytest.raises(ServiceError) as refused:
+        perturbed_fields(request, perturb_tool_results=True)
+    assert refused.value.status == 400 and refused.value.detail.param.startswith("messages.0.")

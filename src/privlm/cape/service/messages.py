@@ -11,9 +11,12 @@ unless the gateway passes such parts through on purpose (``non_text_parts="pass"
 
 Tool results (``perturb_tool_results``): the content of ``tool`` and ``function`` messages, and the arguments of
 an assistant's tool calls (``tool_calls[k].function.arguments``, the legacy ``function_call.arguments``), are
-perturbed JSON-aware: a text that parses as JSON has each of its string values perturbed as one text, its keys,
-numbers, booleans, nulls and structure kept (it is written back compactly, so its spacing may change); a text that
-does not parse is perturbed as text. JSON keys are not perturbed: keep personal data out of them.
+perturbed JSON-aware: a text that is a JSON object or array has each of its non-blank string values perturbed as
+one text, its keys, numbers, booleans, nulls and structure kept (written back compactly: spacing may change, and a
+number is written as Python reads it, 1E5 as 100000.0); any other text (not JSON, a bare JSON scalar, duplicate
+keys, a non-finite number) is perturbed as text. JSON keys, numbers and booleans are not perturbed: keep personal
+data out of them. A non-text part of a tool result is refused unless non-text parts pass, and so is a tool call
+that is not a function call with string arguments.
 
 Every key of a perturbed message and of its text parts is handled on purpose, never passed silently:
 ``name`` (the participant's name, which can be a person's) is dropped before forwarding and reported
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -149,46 +153,87 @@ def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = F
                                         "forward such parts unchanged", param=f"messages.{i}.content.{j}",
                                    code="unsupported_content")
     if perturb_tool_results:
-        _add_tool_texts(fields, request)
+        _add_tool_texts(fields, request, non_text_parts)
     return fields
 
 
-def _add_tool_texts(fields: PerturbedFields, request: ChatCompletionRequest) -> None:
-    """Every tool result (``tool`` and ``function`` content, string or text parts) and tool-call argument."""
+def _add_tool_texts(fields: PerturbedFields, request: ChatCompletionRequest, non_text_parts: NonTextParts) -> None:
+    """Every tool result (``tool`` and ``function`` content, string or text parts) and tool-call argument; a part or
+    a tool call that cannot be perturbed is refused (400) unless non-text parts pass."""
     for i, message in enumerate(request.messages):
-        if message.role in TOOL_ROLES and isinstance(message.content, str):
-            _add_document(fields, TextSlot(i, None, message.role), message.content)
-        elif message.role in TOOL_ROLES and message.content is not None:
-            for j, part in enumerate(message.content):
+        content = message.content if message.role in TOOL_ROLES else None
+        if isinstance(content, str):
+            _add_document(fields, TextSlot(i, None, message.role), content)
+        elif content is not None:
+            for j, part in enumerate(content):
                 if isinstance(part, TextPart):
                     _add_document(fields, TextSlot(i, j, message.role), part.text)
+                elif non_text_parts == "refuse":
+                    _cannot_perturb(f"messages.{i}.content.{j}", f"a {part.type!r} part of a tool result")
         if message.role == "assistant":
             extra = message.model_extra or {}
             calls = extra.get("tool_calls")
             for k, call in enumerate(calls if isinstance(calls, list) else []):
-                arguments = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
-                if isinstance(arguments, str):
-                    _add_document(fields, TextSlot(i, None, message.role, field="arguments", call=k), arguments)
+                function = call.get("function") if isinstance(call, dict) else None
+                arguments = function.get("arguments") if isinstance(function, dict) else None
+                if not isinstance(arguments, str) or call.get("type", "function") != "function":
+                    _cannot_perturb(f"messages.{i}.tool_calls.{k}", "a tool call that is not a function call with "
+                                                                   "string arguments")
+                _add_document(fields, TextSlot(i, None, message.role, field="arguments", call=k), str(arguments))
             legacy = extra.get("function_call")
-            if isinstance(legacy, dict) and isinstance(legacy.get("arguments"), str):
+            if legacy is not None:
+                if not (isinstance(legacy, dict) and isinstance(legacy.get("arguments"), str)):
+                    _cannot_perturb(f"messages.{i}.function_call", "a function call without string arguments")
                 _add_document(fields, TextSlot(i, None, message.role, field="arguments"), legacy["arguments"])
 
 
+def _cannot_perturb(param: str, what: str) -> None:
+    raise ServiceError(400, f"{param} is {what}, which cannot be perturbed, and --perturb-tool-results would "
+                            "otherwise let it cross as sent", param=param, code="unsupported_content")
+
+
 def _add_document(fields: PerturbedFields, slot: TextSlot, text: str) -> None:
-    """``text`` as JSON (each string value a text) when it parses as JSON, else as one text."""
-    try:
-        document = json.loads(text)
-    except ValueError:
+    """``text`` as JSON (each non-blank string value a text) when it is a JSON object or array, else one text."""
+    document = json_document(text)
+    if document is None:
         _add_text(fields, slot, text)
         return
     for path, value in json_strings(document):
         _add_text(fields, TextSlot(slot.message, slot.part, slot.role, slot.field, slot.call, path), value)
 
 
+def json_document(text: str) -> dict[str, Any] | list[Any] | None:
+    """``text`` parsed as a JSON object or array, strictly: duplicate keys (only the last would be seen),
+    non-finite numbers and nesting too deep to walk make it not JSON here (None), as does any other top level."""
+    try:
+        document = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_not_a_number,
+                              parse_float=_finite_float)
+    except (ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict | list) else None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("duplicate keys")
+    return dict(pairs)
+
+
+def _not_a_number(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("a number out of range")
+    return value
+
+
 def json_strings(document: Any, path: JsonPath = ()) -> list[tuple[JsonPath, str]]:
-    """Every string value of a JSON document with its path, in document order (keys are not values)."""
+    """Every non-blank string value of a JSON document with its path, in document order (keys are not values)."""
     if isinstance(document, str):
-        return [(path, document)]
+        return [(path, document)] if document.strip() else []
     if isinstance(document, dict):
         return [found for key, value in document.items() for found in json_strings(value, (*path, key))]
     if isinstance(document, list):
@@ -239,11 +284,11 @@ def with_texts(body: dict[str, Any], slots: Sequence[TextSlot], texts: Sequence[
             continue
         place = (slot.message, slot.part, slot.field, slot.call)
         if place not in documents:
-            documents[place] = json.loads(_read(out, slot))
+            documents[place] = json_document(_read(out, slot))
         documents[place] = _replaced(documents[place], slot.json_path, text)
     for (message, part, field, call), document in documents.items():
-        _write(out, TextSlot(message, part, "", field, call), json.dumps(document, ensure_ascii=False,
-                                                                        separators=(",", ":")))
+        _write(out, TextSlot(message, part, "", field, call),
+               json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False))
     for path in dropped:
         _, index, key = path.split(".")
         out["messages"][int(index)].pop(key, None)

@@ -40,9 +40,12 @@ MAX_PROMPT_TOKENS = 8192
 class PrivacyStepError(ServiceError):
     """Perturbation failed: nothing may be forwarded. The message names the failure's type, never the text."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, *, charged: bool = False) -> None:
+        # With a ledger the mechanism may have charged before it failed, and the charge stands (it cannot tell
+        # what it drew): a retry would be charged again, so OpenAI's SDKs are told not to.
         super().__init__(500, f"the privacy step failed ({type(error).__name__}); nothing was sent upstream",
-                         type="server_error", code="privacy_step_failed")
+                         type="server_error", code="privacy_step_failed",
+                         headers={"x-should-retry": "false"} if charged else None)
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ class PromptPrivacy:
             except BudgetExhaustedError:
                 raise
             except Exception as error:  # fail closed: whatever went wrong, nothing leaves
-                raise PrivacyStepError(error) from None
+                raise PrivacyStepError(error, charged=self.ledger is not None) from None
             for i, result in zip(wanted, results, strict=True):
                 released[i], reports_out[i] = result.text, result.report
         return PrivateTexts(texts=released, reports=reports_out, mechanism=self.mechanism, epsilon=eps,
