@@ -70,7 +70,7 @@ class BearerKeys:
         return not self._digests
 
     def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                 api_key: Annotated[str | None, Depends(_api_key_header)]) -> str:
+                 api_key: Annotated[str | None, Depends(_api_key_header)] = None) -> str:
         """The principal: an HMAC of the caller's key, or ``anonymous`` on an open service."""
         if self.open:
             return ANONYMOUS
