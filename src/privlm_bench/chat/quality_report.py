@@ -115,8 +115,7 @@ def bar_verdict(rows: Sequence[Row]) -> tuple[str, list[str]]:
         return "not measured", ["the placeholder control is missing from this run"]
     lines, passing = [], []
     for r in _private(rows):
-        margin = Z * math.sqrt(_n(r, "answer_similarity_se") ** 2 + _n(control, "answer_similarity_se") ** 2)
-        close = _n(r, "answer_similarity") >= _n(control, "answer_similarity") - margin
+        margin, close = _pair_margin(r, control), _within_noise(r, control)
         upper = verbatim_upper(r)
         private = upper <= GOAL
         if private and close:
@@ -141,9 +140,14 @@ def _under_bar(rows: Sequence[Row]) -> list[Row]:
     return [r for r in _private(rows) if verbatim_upper(r) <= GOAL and math.isfinite(_n(r, "answer_similarity"))]
 
 
-def _within_noise(row: Row, best: Row) -> bool:
-    margin = Z * math.hypot(_n(best, "answer_similarity_se"), _n(row, "answer_similarity_se"))
-    return _n(row, "answer_similarity") >= _n(best, "answer_similarity") - margin
+def _pair_margin(row: Row, reference: Row) -> float:
+    """The noise margin of two points' answer similarities: Z times the root sum of squares of their errors."""
+    return Z * math.hypot(_n(row, "answer_similarity_se"), _n(reference, "answer_similarity_se"))
+
+
+def _within_noise(row: Row, reference: Row) -> bool:
+    """Whether ``row`` answers no worse than ``reference`` beyond their noise margin."""
+    return _n(row, "answer_similarity") >= _n(reference, "answer_similarity") - _pair_margin(row, reference)
 
 
 def best_private(rows: Sequence[Row]) -> Row | None:

@@ -28,6 +28,7 @@ is refused (400 ``unsupported_field``, naming it).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -277,18 +278,17 @@ def with_texts(body: dict[str, Any], slots: Sequence[TextSlot], texts: Sequence[
     """A copy of the request ``body`` (as JSON) with each slot's text replaced and the ``dropped`` paths
     (``messages.<i>.<key>``) removed; nothing else changes."""
     out = copy.deepcopy(body)
-    documents: dict[tuple[int, int | None, SlotField, int | None], Any] = {}  # a place's JSON, strings replaced
+    documents: dict[TextSlot, Any] = {}  # by place (the slot without its JSON path): its JSON, strings replaced
     for slot, text in zip(slots, texts, strict=True):
         if slot.json_path is None:
             _write(out, slot, slot.placed(text))
             continue
-        place = (slot.message, slot.part, slot.field, slot.call)
+        place = dataclasses.replace(slot, json_path=None)
         if place not in documents:
-            documents[place] = json_document(_read(out, slot))
-        documents[place] = _replaced(documents[place], slot.json_path, text)
-    for (message, part, field, call), document in documents.items():
-        _write(out, TextSlot(message, part, "", field, call),
-               json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False))
+            documents[place] = json_document(_read(out, place))
+        _replace(documents[place], slot.json_path, text)
+    for place, document in documents.items():
+        _write(out, place, json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False))
     for path in dropped:
         _, index, key = path.split(".")
         out["messages"][int(index)].pop(key, None)
@@ -316,12 +316,9 @@ def _write(body: dict[str, Any], slot: TextSlot, text: str) -> None:
     holder[key] = text
 
 
-def _replaced(document: Any, path: JsonPath, text: str) -> Any:
-    """``document`` with the string at ``path`` replaced by ``text`` (in place below the top)."""
-    if not path:
-        return text
+def _replace(document: Any, path: JsonPath, text: str) -> None:
+    """Put ``text`` at ``path`` in ``document`` (an object or array, so the path is never empty)."""
     holder = document
     for key in path[:-1]:
         holder = holder[key]
     holder[path[-1]] = text
-    return document
