@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from privlm.cli import app
-from privlm.demo import CHAT_EPSILON, CHAT_MECHANISM, inversion_at
+from privlm.demo import CHAT_EPSILON, CHAT_FOLLOW_UP, CHAT_MECHANISM, CHAT_PROMPT, inversion_at
 from privlm.mechanisms import make_generator
 
 runner = CliRunner()
@@ -36,7 +36,7 @@ sys.meta_path.insert(0, DevExtraBlocker())
 
 
 @pytest.mark.slow
-def test_demo_runs_without_anything_from_the_dev_extra(tmp_path):
+def test_demo_runs_without_anything_from_the_dev_extra(tmp_path, smollm2_lm):
     """``pip install privlm`` then ``privlm demo``: the demo (and the server and gateway it starts) imports
     nothing from the dev extra. A sitecustomize makes those packages unimportable in every process."""
     import os
@@ -53,12 +53,19 @@ def test_demo_runs_without_anything_from_the_dev_extra(tmp_path):
     assert "NN inversion" in result.stdout and "Cape: a private prompt" in result.stdout
     assert "sent to the chat API" in result.stdout and "spent for this prompt" in result.stdout
     assert "OpenAI-format request -> gateway -> private round trip" in result.stdout
-    # The chat step (the bench kit is installed here): the prompt as released, the answer, the spend.
-    assert f"released ({CHAT_MECHANISM};" in result.stdout and "answer (to the released prompt" in result.stdout
-    spent = re.search(r"spent: (\S+) (?:=|for) (\d+) perturbed tokens \(of (\d+)\)", result.stdout)
-    assert spent is not None and float(spent[1]) > 0 and 0 < int(spent[2]) <= int(spent[3])
-    if CHAT_MECHANISM in ("cape-public", "cape-public-fast", "custext+"):  # exactly epsilon per perturbed token
-        assert float(spent[1]) == pytest.approx(int(spent[2]) * CHAT_EPSILON)
+    # The chat step (the bench kit is installed here), two turns: each prompt as released, the answer restored, the
+    # spend; the second turn perturbs and charges the new message only (its tokens, of the new message's count).
+    assert f"released ({CHAT_MECHANISM};" in result.stdout and "answer (restored locally, " in result.stdout
+    spends = re.findall(r"spent: (\S+) (?:=|for) (\d+) perturbed tokens \(of (\d+)\)", result.stdout)
+    assert len(spends) == 2, result.stdout[-3000:]
+    for spent in spends:
+        assert float(spent[0]) > 0 and 0 < int(spent[1]) <= int(spent[2])
+        if CHAT_MECHANISM in ("cape-public", "cape-public-fast", "custext+"):  # exactly epsilon per perturbed token
+            assert float(spent[0]) == pytest.approx(int(spent[1]) * CHAT_EPSILON)
+    tokenizer = smollm2_lm.tokenizer
+    assert [int(s[2]) for s in spends] == [len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                                           for text in (CHAT_PROMPT, CHAT_FOLLOW_UP)]
+    assert "exactly as in turn 1, free (2 texts remembered)" in " ".join(result.stdout.split())
     assert "guarantee: privlm:" in result.stdout  # what the spend means, as the report states it
     assert "SAP: private fine-tuning" in result.stdout and "private prediction for" in result.stdout
 

@@ -11,8 +11,10 @@
    with personal details sent with the ``openai`` client (plain httpx where ``openai`` is not installed: the
    demo needs nothing from the dev extra) to ``privlm serve-llm``, a local SmolLM2 chat server from the bench
    kit (without it, this step says how to install it). The gateway perturbs it with :data:`CHAT_MECHANISM` at
-   :data:`CHAT_EPSILON`, the best private point of ``privlm bench chat-quality`` (benchmarks/chat-quality); the
-   step prints the prompt as released, the upstream's answer, and the spend.
+   :data:`CHAT_EPSILON`, the best private point of ``privlm bench chat-quality`` (benchmarks/chat-quality), with
+   ``--restore`` and conversation memory. Two turns: the step prints each prompt as released, the answer restored
+   (the user's words written back where it quotes a replacement) and the spend; the second turn sends the first
+   message again as it was released, free, and charges only the new one.
 7. SAP (printed as step 6): ``privlm sap vendor`` on localhost; a customer fine-tunes LoRA through it on 48
    tweets for one epoch, keeping texts, labels and the head, then asks for one private prediction.
 
@@ -56,6 +58,7 @@ SND_SENTENCES = ["I absolutely love my new phone, the camera is stunning.",
 SND_ETA = 50.0
 CHAT_PROMPT = ("I am Maria Gonzalez, 34, from Seattle. My doctor says my asthma is getting worse. "
                "What should I ask her at my next appointment?")
+CHAT_FOLLOW_UP = "She also asked whether Seattle's pollen season matters. Does it?"
 CHAT_MAX_TOKENS = 48
 # Step 5: the best private point of `privlm bench chat-quality` (benchmarks/chat-quality/results.md: under the bar,
 # among mechanisms whose epsilon bounds every pair of tokens, the least epsilon of the answers within noise of the
@@ -247,7 +250,7 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
         if llm is not None:
             # CUSTEXT+ reads no logit bound: no calibration for this gateway.
             chat_options = ["--chat-upstream", llm.url, "--mechanism", CHAT_MECHANISM,
-                            "--epsilon", f"{CHAT_EPSILON:g}"]
+                            "--epsilon", f"{CHAT_EPSILON:g}", "--restore"]
             processes.append(llm.process)
         gateway = launch_privlm(["gateway", "--server", server_url, "--eta", f"{SND_ETA:g}", *chat_options,
                                  "--port", str(gateway_port)])  # it loads while the client SDK runs
@@ -292,30 +295,42 @@ def service_section(console: Console, model: SplitModel, generator: torch.Genera
 
 
 def chat_section(console: Console, gateway_url: str) -> None:
-    """One chat request through the gateway to serve-llm: the prompt as released, the answer, and the spend."""
-    console.print(f"\n[bold]5. Private chat[/bold]: the same gateway, `POST /v1/chat/completions`, to `privlm "
-                  f"serve-llm` (SmolLM2 as a stand-in for OpenAI, vLLM or Ollama)\nprompt: {CHAT_PROMPT!r}")
-    with console.status(f"Perturbing the prompt with {CHAT_MECHANISM}, then asking the upstream..."):
-        answer, headers, client_name = _chat(gateway_url, CHAT_PROMPT)
+    """Two chat turns through the gateway to serve-llm: each prompt as released, the answer restored, the spend."""
+    console.print("\n[bold]5. Private chat[/bold]: the same gateway, `POST /v1/chat/completions`, to `privlm "
+                  "serve-llm` (SmolLM2 as a stand-in for OpenAI, vLLM or Ollama), two turns, with --restore")
+    messages: list[dict[str, str]] = []
+    for turn, prompt in enumerate((CHAT_PROMPT, CHAT_FOLLOW_UP), start=1):
+        messages.append({"role": "user", "content": prompt})
+        console.print(f"[bold]turn {turn}[/bold] prompt: {prompt!r}")
+        with console.status(f"Perturbing the new message with {CHAT_MECHANISM}, then asking the upstream..."):
+            answer, headers, client_name = _chat(gateway_url, messages)
+        content = answer["choices"][0]["message"]["content"]
+        report = answer["privlm"]
+        console.print(f"released ({headers['x-privlm-mechanism']}; all serve-llm received of it): "
+                      f"{report['texts'][-1]['sent']!r}")
+        console.print(f"answer (restored locally, {headers['x-privlm-restored']} replacements written back; client: "
+                      f"{client_name}): {content!r}")
+        console.print(f"spent: {_spend(headers)}" + (
+            f"; the history (turn 1's message and answer) went up again exactly as in turn 1, free "
+            f"({headers['x-privlm-texts-remembered']} texts remembered)" if turn > 1 else ""))
+        messages.append({"role": "assistant", "content": content})
+    if report.get("guarantee"):
+        console.print(f"guarantee: {report['guarantee']}")
+
+
+def _spend(headers: dict[str, str]) -> str:
     spent, epsilon = float(headers["x-privlm-epsilon-spent"]), float(headers["x-privlm-epsilon"])
     perturbed, tokens = int(headers["x-privlm-tokens-perturbed"]), int(headers["x-privlm-tokens"])
     count = f"{perturbed} perturbed tokens (of {tokens})"
     # cape-public spends exactly epsilon per perturbed token; Cape's sound bound has more terms.
-    spend = (f"{spent:g} = {count} x epsilon {epsilon:g}" if abs(spent - perturbed * epsilon) < 1e-6
-             else f"{spent:g} for {count} at epsilon {epsilon:g} (privlm's sound bound)")
-    console.print(f"released ({headers['x-privlm-mechanism']}; all serve-llm received of the prompt): "
-                  f"{answer['privlm']['texts'][0]['sent']!r}")
-    console.print(f"answer (to the released prompt, unchanged; client: {client_name}): "
-                  f"{answer['choices'][0]['message']['content']!r}")
-    console.print(f"spent: {spend}")
-    if answer["privlm"].get("guarantee"):
-        console.print(f"guarantee: {answer['privlm']['guarantee']}")
+    return (f"{spent:g} = {count} x epsilon {epsilon:g}" if abs(spent - perturbed * epsilon) < 1e-6
+            else f"{spent:g} for {count} at epsilon {epsilon:g} (privlm's sound bound)")
 
 
-def _chat(gateway_url: str, prompt: str) -> tuple[dict[str, Any], dict[str, str], str]:
+def _chat(gateway_url: str, messages: list[dict[str, str]]) -> tuple[dict[str, Any], dict[str, str], str]:
     """The chat call (greedy, with the report in the body) with the ``openai`` client where it is installed, else
     plain httpx (the same request)."""
-    model, messages = "smollm2-135m-instruct", [{"role": "user", "content": prompt}]
+    model = "smollm2-135m-instruct"
     try:
         import openai
     except ImportError:
@@ -328,6 +343,6 @@ def _chat(gateway_url: str, prompt: str) -> tuple[dict[str, Any], dict[str, str]
         return response.json(), dict(response.headers), "httpx (openai is not installed)"
     client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=300)
     raw = client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=CHAT_MAX_TOKENS, temperature=0.0,
+        model=model, messages=messages, max_tokens=CHAT_MAX_TOKENS, temperature=0.0,  # type: ignore[arg-type]
         extra_body={"privlm": {"report": True}})
     return raw.parse().model_dump(), dict(raw.headers), "openai"

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from privlm.accounting import BudgetExhaustedError, Ledger, charge
+from privlm.accounting import BudgetExhaustedError, Ledger, charge, joint_principal, principal_members
 from privlm.mechanisms import PrivacyUnit, Spend
 
 EPS = PrivacyUnit.EPSILON
@@ -31,6 +31,7 @@ def test_a_batch_of_spends_is_recorded_whole_or_not_at_all(tmp_path):
     with pytest.raises(BudgetExhaustedError) as refused:
         ledger.spend_all("alice", [Spend(EPS, 1.0), Spend(EPS, 2.5)])  # the first alone would fit
     assert refused.value.requested == 3.5
+    assert refused.value.spent == 7.0 and refused.value.remaining == 3.0  # as before the batch, not mid-way
     assert ledger.spent("alice", EPS) == 7.0  # nothing of the refused batch was recorded
     assert ledger.spend_all("alice", []) == []
 
@@ -122,3 +123,55 @@ def test_the_ledger_method_and_the_function_charge_alike(tmp_path):
     with pytest.raises(BudgetExhaustedError):
         ledger.charge("bob", [Spend(EPS, 3.0), Spend(EPS, 4.0)], note="together over the budget")
     assert ledger.spent("bob", EPS) == 4.0
+
+
+# --- a joint principal: a LiteLLM key *and* its end user, charged together -----------------------------------
+def test_a_joint_principal_charges_every_member_only_if_each_has_budget_left(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    both = joint_principal("key", "user")
+    receipts = ledger.spend_all(both, [Spend(EPS, 2.0), Spend(EPS, 1.0)], note="two prompts")
+    assert ledger.spent("key", EPS) == ledger.spent("user", EPS) == 3.0
+    assert [r.principal for r in receipts] == [both, both] and receipts[-1].remaining == 7.0
+
+    ledger.spend("user", Spend(EPS, 5.0))  # the same user through another key
+    assert ledger.remaining(both, EPS) == 2.0 == ledger.remaining("user", EPS)  # the smaller of the two
+    assert ledger.spent(both, EPS) == 8.0
+    with pytest.raises(BudgetExhaustedError) as refused:
+        ledger.spend_all(both, [Spend(EPS, 1.5), Spend(EPS, 1.5)])  # the key has 7 left, the user 2
+    assert refused.value.principal == "user" and refused.value.remaining == 2.0 and refused.value.requested == 3.0
+    assert (ledger.spent("key", EPS), ledger.spent("user", EPS)) == (3.0, 8.0)  # all or nothing: neither charged
+
+    ledger.spend("key", Spend(EPS, 6.5))
+    with pytest.raises(BudgetExhaustedError) as refused:
+        ledger.spend(both, Spend(EPS, 4.0))  # both over: the one with the least left is named
+    assert refused.value.principal == "key" and refused.value.remaining == 0.5
+
+
+def test_a_joint_refund_gives_back_to_every_member(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    both = joint_principal("key", "user")
+    ledger.spend("user", Spend(EPS, 1.0))
+    ledger.spend(both, Spend(EPS, 4.0))
+    [receipt] = ledger.refund(both, [Spend(EPS, 4.0)], note="refund: the upstream received nothing")
+    assert (ledger.spent("key", EPS), ledger.spent("user", EPS)) == (0.0, 1.0)
+    assert receipt.spend.amount == 4.0 and receipt.remaining == 9.0
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        rows = db.execute("SELECT principal, amount FROM spends ORDER BY id").fetchall()
+    assert rows == [("user", 1.0), ("key", 4.0), ("user", 4.0), ("key", -4.0), ("user", -4.0)]
+    assert both not in {principal for principal, _ in rows}  # the ledger keeps members, never the joint id
+
+
+def test_joint_principals_are_well_formed_or_refused(tmp_path):
+    assert joint_principal("a") == "a" and joint_principal("a", "a") == "a"
+    assert principal_members(joint_principal("b", "a", "b")) == ("b", "a") and principal_members("a") == ("a",)
+    odd = 'litellm-end-user:"], "x'  # a member may hold any character: the JSON list keeps it whole
+    assert principal_members(joint_principal("k", odd)) == ("k", odd)
+    for bad in ((), ("",), ("a", joint_principal("b", "c"))):
+        with pytest.raises(ValueError):
+            joint_principal(*bad)
+    ledger = Ledger(tmp_path / "ledger.db", budgets={"epsilon": 10.0})
+    for forged in ("all-of:", "all-of:x", 'all-of:["a"]', 'all-of:["a", "a"]', 'all-of:["a", 1]', 'all-of:{"a": 1}'):
+        with pytest.raises(ValueError, match="joint principal"):
+            ledger.spend(forged, Spend(EPS, 1.0))  # never charged as one id
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM spends").fetchone() == (0,)

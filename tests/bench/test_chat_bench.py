@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,9 +15,11 @@ from typer.testing import CliRunner
 
 from privlm.provenance import provenance
 from privlm_bench.chat.load import (
+    FLOOR_BATCH,
     PROMPTS,
     STUB_ANSWER,
     ChatBenchSetting,
+    Floors,
     LoadResult,
     Timing,
     added,
@@ -24,6 +27,8 @@ from privlm_bench.chat.load import (
     chat_results,
     comparisons,
     create_stub_upstream,
+    gateway_args,
+    measure_floor,
     measure_upstream,
     prompt_order,
     requests_per_second,
@@ -31,9 +36,11 @@ from privlm_bench.chat.load import (
     sse_content,
     stub_pieces,
     summarize,
+    throughput,
     write_chat_report,
 )
 from tests.service.localhost import serving
+from tests.support.chat import fake_privacy
 
 
 def test_summarize_gives_the_percentiles_of_known_latencies_in_ms():
@@ -75,6 +82,51 @@ def test_the_gateway_is_compared_with_the_direct_row_at_the_same_load():
             row("direct", 1.0, 2.0, 10.0, clients=32)]  # no gateway row: no comparison
     [streaming] = comparisons(rows)
     assert streaming["clients"] == 8 and streaming["added_ttft_p99_ms"] == pytest.approx(7.0)
+
+
+def test_the_throughput_is_set_against_the_floor_at_8_clients():
+    def row(path, clients, rps, p50):
+        figures = {"p50_ms": p50, "p99_ms": 2 * p50}
+        return {"upstream": "stub", "path": path, "mode": "non-streaming", "clients": clients, "requests_per_s": rps,
+                "latency": figures, "ttft": None}
+
+    rows = [row("direct", 1, 500.0, 2.0), row("gateway", 1, 6.0, 150.0), row("gateway-int8", 1, 8.0, 110.0),
+            row("direct", 8, 600.0, 10.0), row("gateway", 8, 9.0, 900.0), row("gateway-int8", 8, 12.0, 650.0)]
+    floors = {"gateway": {"requests_per_s": 10.0, "single_requests_per_s": 6.5},
+              "gateway-int8": {"requests_per_s": 16.0, "single_requests_per_s": 9.0}}
+    fp32, int8 = throughput(rows, floors)
+    assert fp32["path"] == "gateway" and fp32["requests_per_s"] == {"1": 6.0, "8": 9.0}
+    assert fp32["ratio_to_floor"] == pytest.approx(0.9) and int8["ratio_to_floor"] == pytest.approx(0.75)
+    assert fp32["added_latency_ms"]["8"] == {"p50": pytest.approx(890.0), "p99": pytest.approx(1780.0)}
+    assert throughput(rows, floors, upstream="serve-llm") == []
+    [one] = throughput([r for r in rows if r["clients"] == 1], {"gateway": floors["gateway"]})
+    assert one["ratio_to_floor"] is None  # no row at 8 clients
+
+
+def test_the_floor_times_batches_of_one_prompt_requests_through_the_privacy_step():
+    floor = measure_floor(fake_privacy(), PROMPTS, batch=4, batches=3)
+    assert len(floor["batch_s"]) == 3 and len(floor["single_s"]) == 4
+    assert floor["requests_per_s"] == pytest.approx(4 / floor["median_batch_s"])
+    assert floor["single_requests_per_s"] == pytest.approx(1 / floor["median_single_s"])
+
+    def broken(*_: object) -> object:
+        raise RuntimeError("gone")
+
+    with pytest.raises(RuntimeError, match="the floor's privacy step failed"):
+        measure_floor(fake_privacy(broken), PROMPTS, batch=2, batches=1)
+    floors = Floors({"gateway": fake_privacy()}, list(PROMPTS), batches=2)
+    floors.measure("at the start", log=lambda _: None)
+    floors.measure("later", log=lambda _: None)
+    [(path, pooled)] = floors.figures().items()
+    assert path == "gateway" and pooled["measured"] == ["at the start", "later"]
+    assert len(pooled["batch_s"]) == 4 and len(pooled["single_s"]) == 2 * FLOOR_BATCH
+
+
+def test_the_int8_gateway_is_the_same_gateway_with_its_device_model_int8():
+    fp32 = gateway_args(1, "http://up", epsilon=6.0, logit_bound=Path("b.json"), max_in_flight=64)
+    int8 = gateway_args(1, "http://up", epsilon=6.0, logit_bound=Path("b.json"), max_in_flight=64, int8=True)
+    assert int8[:len(fp32)] == fp32 and int8[len(fp32):] == ["--device-model-int8", "--device", "cpu"]
+    assert fp32[fp32.index("--chat-memory") + 1] == "off"  # every request perturbed afresh
 
 
 def test_sse_lines_give_their_content():
@@ -131,9 +183,12 @@ def _stand_in_gateway():
 
 def test_a_run_on_the_stub_writes_every_figure(tmp_path):
     setting = ChatBenchSetting(requests_per_client=3, clients=(1, 2), warmup_requests=1, stub_chunks=16, seed=5)
+    blocks: list[tuple[int, str]] = []
     with serving(create_stub_upstream()) as direct, serving(_stand_in_gateway()) as gateway:
-        rows = asyncio.run(measure_upstream("stub", {"direct": direct, "gateway": gateway}, setting))
+        rows = asyncio.run(measure_upstream("stub", {"direct": direct, "gateway": gateway}, setting,
+                                            before=lambda clients, mode: blocks.append((clients, mode))))
     assert len(rows) == 2 * 2 * 2  # clients x modes x paths
+    assert blocks == [(1, "non-streaming"), (1, "streaming"), (2, "non-streaming"), (2, "streaming")]
     for row in rows:
         assert row["errors"] == 0 and row["answered"] == row["clients"] * 3 and row["requests_per_s"] > 0
         assert row["latency"]["n"] == row["answered"]

@@ -94,6 +94,10 @@ def test_mean_and_error():
     assert mean == 2.0 and error == pytest.approx(1.0 / math.sqrt(3))
 
 
+RESTORE = {"restored_similarity": 0.5, "restored_similarity_se": 0.01, "restore_gain_se": 0.01, "restored": 1.0,
+           "restore_replacements": 2.0}
+
+
 def _row(method: str, epsilon: float, **values: float) -> dict[str, object]:
     base = {"method": method, "epsilon": epsilon, "answer_similarity_se": 0.01, "extracted_similarity": math.nan}
     return base | values
@@ -200,11 +204,41 @@ def test_a_resumed_run_keeps_a_finished_runs_rows_under_the_same_settings_whatev
     from privlm_bench.chat.quality import _finished
 
     ran = QualitySetting(points=(("cape", (6.0,)),))
-    rows = [_row("original", math.inf, answer_similarity=1.0), _row("cape", 6.0, answer_similarity=0.3)]
+    rows = [_row("original", math.inf, answer_similarity=1.0), _row("cape", 6.0, answer_similarity=0.3, **RESTORE)]
     (tmp_path / "results.json").write_text(json.dumps(to_json({"setting": asdict(ran), "rows": rows})))
     kept = _finished(tmp_path, QualitySetting(points=(("cape", (6.0, 14.0)),)))  # a point added
     assert set(kept) == {("cape", 6.0)}  # the original prompt's row is always redone
     assert _finished(tmp_path, QualitySetting(n_test=25)) == {}  # other settings: nothing kept
+
+
+def test_a_resumed_run_keeps_the_selection_only_under_the_same_settings(tmp_path):
+    from dataclasses import asdict
+
+    from privlm_bench.chat.quality import _saved
+
+    ran = QualitySetting(points=(("cape", (6.0,)),))
+    selection = {"chosen": {"tau": 2.0, "top_p": 1.0}}
+    (tmp_path / "results.json").write_text(json.dumps(to_json({"setting": asdict(ran), "rows": [],
+                                                               "selection": selection})))
+    assert _saved(tmp_path, QualitySetting())["selection"] == selection  # other points, same training prompts
+    assert _saved(tmp_path, QualitySetting(select_epsilon=8.0)) is None
+
+
+def test_a_resumed_run_measures_again_a_row_of_an_older_run_without_the_restore_columns(tmp_path):
+    from dataclasses import asdict
+
+    from privlm_bench.chat.quality import _finished, _keep
+
+    setting = QualitySetting(points=(("cape", (6.0, 14.0)),))
+    older = [_row("cape", 6.0, answer_similarity=0.3), _row("placeholders", math.inf, answer_similarity=0.5)]
+    newer = [_row("cape", 14.0, answer_similarity=0.4, **RESTORE)]
+    (tmp_path / "results.json").write_text(json.dumps(to_json({"setting": asdict(setting), "rows": older + newer})))
+    assert set(_finished(tmp_path, setting)) == {("cape", 14.0)}
+    _keep(tmp_path / "partial.jsonl", setting, _row("cape", 14.0, answer_similarity=0.9))  # older, cut short
+    _keep(tmp_path / "partial.jsonl", setting, _row("cape", 6.0, answer_similarity=0.2, **RESTORE))
+    kept = _finished(tmp_path, setting)
+    assert set(kept) == {("cape", 6.0), ("cape", 14.0)}
+    assert kept[("cape", 14.0)]["answer_similarity"] == 0.4  # an older partial row does not hide a current one
 
 
 def test_the_demo_uses_the_committed_runs_best_private_point():
@@ -238,3 +272,105 @@ def test_the_best_private_point_is_the_closest_answer_under_the_bar():
     narrower = [*spent, _row("custext-plus", 2.0, answer_similarity=0.45, span_verbatim=0.0, spans=100.0,
                              unit="epsilon", spend_per_prompt=40.0)]
     assert best_private(narrower)["epsilon"] == 32.0  # CUSTEXT's epsilon holds within a group only: not compared
+
+
+# --- restore (issue 25): the answer as the upstream wrote it, and as the gateway's --restore writes it back ------
+def test_restore_measures_pair_each_restored_answer_with_its_own_upstream_answer():
+    from privlm_bench.chat.quality import RESTORE_COLUMNS, Restored, restore_measures
+
+    measures = restore_measures([0.2, 0.4, 0.6], Restored([0.3, 0.4, 0.8], [1, 0, 2], [2, 2, 2]))
+    assert measures["restored_similarity"] == pytest.approx(0.5)
+    assert measures["restored_similarity_se"] == pytest.approx(mean_and_error([0.3, 0.4, 0.8])[1])
+    assert measures["restore_gain_se"] == pytest.approx(mean_and_error([0.1, 0.0, 0.2])[1])  # of the differences
+    assert measures["restore_gain_se"] < measures["restored_similarity_se"]  # paired: the prompts' spread cancels
+    assert (measures["restored"], measures["restore_replacements"]) == (1.0, 2.0)
+    unrestored = restore_measures([0.2, 0.4], None)  # the controls: no gateway, nothing to restore
+    assert set(unrestored) == set(RESTORE_COLUMNS) and all(math.isnan(v) for v in unrestored.values())
+
+
+def _names_gateway(stub: Any, **options: Any) -> Any:
+    from privlm.cape.service.chat import ChatOptions
+    from tests.support.chat import NamePerturber, chat_gateway, fake_privacy
+
+    restore = options.pop("restore", True)
+    return chat_gateway(fake_privacy(NamePerturber), stub.url, options=ChatOptions(restore=restore), **options)
+
+
+NAMES = "I am Maria Gonzalez from Lisbon."
+
+
+def test_a_private_call_reads_the_upstreams_answer_and_the_restored_one_from_the_gateways_report(stub):
+    from privlm_bench.chat.quality import Upstream
+    from tests.support.chat import ECHO, ECHO_PREFIX
+
+    with _names_gateway(stub) as url:
+        call = Upstream(stub.url, ECHO, max_tokens=8).private(url, NAMES, 6.0)
+    assert call["sent"] == "I am Jake Rodriguez from Paris."
+    assert call["answer"] == ECHO_PREFIX + call["sent"]  # what the upstream wrote
+    assert call["restored_answer"] == ECHO_PREFIX + NAMES  # what the gateway gave back
+    assert (call["restored"], call["replacements"]) == (2, 4)  # "Jake Rodriguez" and "Paris"; "Jake", "Rodriguez"
+    assert call["spent"] == pytest.approx(3 * 6.0) and call["perturbed"] == 3
+
+
+def test_a_private_call_refuses_a_gateway_that_does_not_restore_or_that_remembers(stub):
+    from privlm.cape.service.memory import ConversationMemory
+    from privlm_bench.chat.quality import Upstream
+    from tests.support.chat import ECHO
+
+    upstream = Upstream(stub.url, ECHO, max_tokens=8)
+    with _names_gateway(stub, restore=False) as url, pytest.raises(RuntimeError, match="--restore"):
+        upstream.private(url, NAMES, 6.0)
+    with _names_gateway(stub, memory=ConversationMemory()) as url:
+        upstream.private(url, NAMES, 6.0)
+        with pytest.raises(RuntimeError, match="--chat-memory off"):  # the second epsilon would get the first's
+            upstream.private(url, NAMES, 3.0)
+
+
+def test_the_bench_extracts_with_the_call_the_gateways_extract_makes(stub):
+    """The bench's extraction of an upstream answer is the gateway's --extract of it: same prompt, answer, limit."""
+    from typing import cast
+
+    from privlm.cape.service.extraction import AnswerExtractor
+    from privlm.models.chat import ChatModel
+    from privlm_bench.chat.quality import QualityBench, Upstream
+    from tests.support.chat import ECHO, chat_gateway, fake_privacy
+
+    class Recording(AnswerExtractor):
+        def __init__(self) -> None:
+            super().__init__(cast(ChatModel, None))
+            self.calls: list[tuple[str, str, int | None]] = []
+
+        def extract(self, prompt: str, answer: str, *, limit: int | None = None) -> str:
+            self.calls.append((prompt, answer, limit))
+            return "rewritten"
+
+    upstream, in_gateway = Upstream(stub.url, ECHO, max_tokens=7), Recording()
+    with chat_gateway(fake_privacy(), stub.url, extractor=in_gateway) as url:
+        response = upstream.http.post(f"{url}/v1/chat/completions", json=upstream.body(TEXT))
+    assert response.status_code == 200, response.text
+    answer = response.json()["choices"][0]["message"]["privlm_upstream_content"]
+    bench = object.__new__(QualityBench)
+    bench.setting, bench.extractor = QualitySetting(max_tokens=7), Recording()
+    assert bench.extract([PROMPT], [answer]) == ["rewritten"]
+    assert bench.extractor.calls == in_gateway.calls == [(TEXT, answer, 7)]
+
+
+def test_the_restore_verdict_reads_the_paired_difference_against_its_margin(tmp_path):
+    from privlm_bench.chat.quality_report import restore_gain, restore_lines
+
+    control = _row("placeholders", math.inf, answer_similarity=0.30, span_verbatim=0.0, spans=100.0)
+    best = _row("cape-public", 8.0, answer_similarity=0.30, span_verbatim=0.0, spans=100.0, lm_top1=0.0,
+                spend_per_prompt=100.0, unit="epsilon", restored_similarity=0.36, restore_gain_se=0.02, restored=1.5)
+    flat = _row("cape-public", 16.0, answer_similarity=0.20, span_verbatim=0.0, spans=100.0, lm_top1=0.1,
+                spend_per_prompt=200.0, unit="epsilon", restored_similarity=0.21, restore_gain_se=0.02, restored=0.5)
+    assert restore_gain(best) == (pytest.approx(0.06), pytest.approx(1.96 * 0.02))
+    [line] = restore_lines([control, best, flat])
+    assert "at the best private point (Cape, public context eps 8) +0.060 (margin 0.039: beyond the margin)" in line
+    assert "Cape, public context eps 16: +0.010 (margin 0.039: within the margin), 0.5 restored" in line
+    assert restore_lines([control]) == ["**(6) Restore (--restore), change in answer similarity:** not measured."]
+    original = _row("original", math.inf, answer_similarity=1.0, unrelated_similarity=0.2,
+                    unrelated_similarity_se=0.01)
+    write_quality_report(tmp_path, _payload([original, control | {"restored_similarity": math.nan}, best, flat]))
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| restored sim. | restored / prompt |" in markdown and "| 0.360 | 1.5 |" in markdown
+    assert line in markdown

@@ -1,22 +1,9 @@
-"""The LiteLLM guardrail endpoint on a real uvicorn server, with requests shaped exactly as LiteLLM sends them.
-
-The shape is LiteLLM's (BerriAI/litellm), copied, not imported:
-  - the body is ``GenericGuardrailAPIRequest.model_dump(mode="json")``
-    (litellm/types/proxy/guardrails/guardrail_hooks/generic_guardrail_api.py), posted by
-    ``GenericGuardrailAPI.apply_guardrail`` (litellm/proxy/guardrails/guardrail_hooks/generic_guardrail_api/
-    generic_guardrail_api.py) with the headers ``Content-Type: application/json`` plus its ``headers`` setting
-    (and ``x-api-key`` for its ``api_key`` setting): every field present, ``None`` where unset;
-  - ``request_data`` holds only the ``user_api_key_*`` keys found in the request's metadata
-    (``_extract_user_api_key_metadata``; a TypedDict with ``total=False``);
-  - ``texts`` and ``images`` of a chat request come from ``OpenAIChatCompletionsHandler._extract_inputs``
-    (litellm/llms/openai/chat/guardrail_translation/handler.py): the text of every message in order, one per
-    string content or per text part; ``structured_messages`` is the messages as they are.
-"""
+"""The LiteLLM guardrail endpoint on a real uvicorn server, with requests shaped exactly as LiteLLM 1.108.7 sends
+them (tests/support/litellm.py: its body, its headers, and what it does with each answer)."""
 
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from privlm.accounting import Ledger
+from privlm.accounting import Ledger, joint_principal
 from privlm.cape.service.guardrail import (
     END_USER_PREFIX,
     GUARDRAIL_PATH,
@@ -37,62 +24,20 @@ from privlm.mechanisms import PrivacyUnit
 from privlm.service.audit import AuditLog
 from tests.cape.conftest import PROMPT, B
 from tests.service.localhost import serving, serving_guarded
+from tests.support import litellm
 from tests.support.chat import in_order
+from tests.support.litellm import END_USER, KEY_HASH
+from tests.support.litellm import body as litellm_body
 
 EPS = 6.0
-# LiteLLM's own test fixture for a virtual key's hash (tests/.../test_generic_guardrail_api.py).
-KEY_HASH = "a1b2c3d4e5f6789012345678901234567890abcdef1234567890abcdef123456"
 OTHER_HASH = "f" * 64
 SECRET = "my passport number is X93-771-SECRET"  # only ever in requests that must be blocked
 STOPWORDS_IN_ORDER = ("My", " in", " the", " with her", " and", " as a", ".")  # Cape's non-sensitive tokens
 
 
-def litellm_inputs(messages: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """``texts`` and ``images`` as LiteLLM extracts them from chat messages (``_extract_inputs``)."""
-    texts: list[str] = []
-    images: list[str] = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if part.get("text") is not None:
-                    texts.append(part["text"])
-                if part.get("type") == "image_url":
-                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
-                    images.append(url)
-    return texts, images
-
-
-def litellm_body(texts: list[str] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                 input_type: str = "request", request_data: dict[str, Any] | None = None,
-                 images: list[str] | None = None, params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One request as LiteLLM posts it (``GenericGuardrailAPIRequest.model_dump(mode="json")``)."""
-    if messages is not None:
-        texts, found = litellm_inputs(messages)
-        images = images if images is not None else found or None
-    return {
-        "input_type": input_type,
-        "litellm_call_id": str(uuid.uuid4()),
-        "litellm_trace_id": str(uuid.uuid4()),
-        "structured_messages": messages,
-        "images": images,
-        "tools": None,
-        "texts": texts,
-        "request_data": {"user_api_key_hash": KEY_HASH, "user_api_key_user_id": "default_user_id",
-                         "user_api_key_team_id": "test-team"} if request_data is None else request_data,
-        "request_headers": {"content-type": "application/json", "user-agent": "OpenAI/Python 1.99.0",
-                            "authorization": "[present]"},
-        "litellm_version": "1.80.0",
-        "additional_provider_specific_params": {} if params is None else params,
-        "tool_calls": None,
-        "model": "gpt-4o",
-    }
-
-
 def post(client: httpx.Client, body: object, **headers: str) -> httpx.Response:
-    return client.post(GUARDRAIL_PATH, json=body, headers={"Content-Type": "application/json", **headers})
+    """As LiteLLM posts: its headers (``x-api-key="..."`` for its api_key setting), then ``headers``."""
+    return client.post(GUARDRAIL_PATH, json=body, headers=litellm.headers() | headers)
 
 
 def _broken(epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> Any:
@@ -206,7 +151,8 @@ def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(smollm2_lm, p
     budget = 1.5 * cost
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: budget})
     charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
-    with serving(create_guardrail_app(charged)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    app = create_guardrail_app(charged, charge_to="key")
+    with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         first = post(http, litellm_body([PROMPT]))
         assert first.json()["action"] == "GUARDRAIL_INTERVENED", first.text
         assert ledger.spent(KEY_PREFIX + KEY_HASH, PrivacyUnit.EPSILON) == pytest.approx(cost)
@@ -240,12 +186,19 @@ def test_end_user_charging_charges_the_end_user_not_the_key(smollm2_lm, tmp_path
                        "request_data.user_api_key_end_user_id is missing")
 
 
-def test_a_missing_id_is_blocked_when_there_is_a_ledger(tmp_path):
+@pytest.mark.parametrize(("charge_to", "present", "named"), [
+    ("key", {"user_api_key_end_user_id": END_USER}, "request_data.user_api_key_hash is missing"),
+    ("key-and-end-user", {"user_api_key_end_user_id": END_USER}, "request_data.user_api_key_hash is missing"),
+    ("key-and-end-user", {"user_api_key_hash": KEY_HASH}, "request_data.user_api_key_end_user_id is missing")])
+def test_a_missing_id_is_blocked_when_there_is_a_ledger(tmp_path, charge_to, present, named):
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10.0})
-    with serving(create_guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url) as http:
-        for data in ({}, {"user_api_key_hash": None}, {"user_api_key_hash": "  "}):
-            assert_blocked(post(http, litellm_body([SECRET], request_data=data)),
-                           "request_data.user_api_key_hash is missing", "shared budget")
+    app = create_guardrail_app(fake_privacy(ledger), charge_to=charge_to)
+    missing = next(iter({"user_api_key_hash", "user_api_key_end_user_id"} - set(present)))
+    with serving(app) as url, httpx.Client(base_url=url) as http:
+        for data in (present, present | {missing: None}, present | {missing: "  "}):
+            assert_blocked(post(http, litellm_body([SECRET], request_data=data)), named, "shared budget")
+        assert_blocked(post(http, litellm_body([SECRET], request_data={})), "shared budget")
+    assert ledger.spent(KEY_PREFIX + KEY_HASH, PrivacyUnit.EPSILON) == 0.0
 
 
 @pytest.mark.slow
@@ -323,7 +276,8 @@ def test_the_audit_log_and_the_ledger_never_hold_the_original(smollm2_lm, tmp_pa
     records = audit.records()
     assert [r["event"] for r in records] == ["released", "blocked", "blocked", "not_perturbed"]
     first = records[0]
-    assert first["texts"] == released.json()["texts"] and first["principal"] == KEY_PREFIX + KEY_HASH
+    assert first["texts"] == released.json()["texts"]
+    assert first["principal"] == joint_principal(KEY_PREFIX + KEY_HASH, END_USER_PREFIX + END_USER)  # the default
     assert first["epsilon_spent"] == pytest.approx(float(released.headers["x-privlm-epsilon-spent"]), rel=1e-5)
     assert first["tokens_perturbed"] > 0 and first["action"] == "GUARDRAIL_INTERVENED"
     assert [r["blocked_reason"] for r in records[1:3]] == reasons
@@ -358,6 +312,8 @@ def test_bad_options_are_refused():
         create_guardrail_app(fake_privacy(), charge_to="team")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="images"):
         create_guardrail_app(fake_privacy(), images="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="guardrail_max_in_flight"):
+        create_guardrail_app(fake_privacy(), guardrail_max_in_flight=0)
 
 
 # -- the scaffolding's refusals: BLOCKED, never an error status a fail-open LiteLLM would forward past ------------
@@ -372,15 +328,14 @@ def held_privacy(entered: threading.Event, release: threading.Event) -> PromptPr
                          count_tokens=lambda text: len(text.split()))
 
 
-@pytest.mark.parametrize(("limits", "named"), [({"max_in_flight": 1}, "max_in_flight="),
-                                               ({"max_in_flight": 8, "max_in_flight_per_caller": 1},
-                                                "max_in_flight_per_caller=")])
-def test_a_saturated_guardrail_answers_blocked_not_an_error_status(limits, named):
-    """What LiteLLM posts, while the guardrail is saturated (one request held in its privacy step): 200 BLOCKED
-    naming the limit, where the scaffolding answers other routes 503 or 429; and the held request is BLOCKED when
-    its step fails. A missing key is still 401."""
+def test_a_saturated_guardrail_answers_blocked_not_an_error_status():
+    """What LiteLLM posts, while the guardrail is saturated (its one place held in its privacy step): 200 BLOCKED
+    naming the limit, where the scaffolding answers other routes 503; and the held request is BLOCKED when its
+    step fails. A missing key is still 401. (The service's own max_in_flight and per-caller quarter do not apply to
+    the route: test_guardrail_litellm.py.)"""
     entered, release = threading.Event(), threading.Event()
-    app = create_guardrail_app(held_privacy(entered, release), api_keys=["litellm-key"], **limits)
+    named = "guardrail_max_in_flight=1"
+    app = create_guardrail_app(held_privacy(entered, release), api_keys=["litellm-key"], guardrail_max_in_flight=1)
     auth = {"x-api-key": "litellm-key"}  # where LiteLLM sends its api_key
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
         held = pool.submit(post, http, litellm_body([SECRET]), **auth)

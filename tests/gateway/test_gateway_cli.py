@@ -31,7 +31,7 @@ def test_the_gateway_command_serves_private_chat(smollm2_lm, stub, tmp_path):
     env |= {CHAT_UPSTREAM_API_KEY_ENV: "sk-cli-upstream-key", GATEWAY_API_KEYS_ENV: "cli-app-key"}
     args = ["gateway", "--chat-upstream", stub.url, "--epsilon", "6", "--logit-bound", str(bound), "--device", "cpu",
             "--chat-budget", "1000", "--chat-ledger", str(tmp_path / "ledger.sqlite"),
-            "--audit-log", str(tmp_path / "audit.jsonl"), "--no-guardrail"]
+            "--audit-log", str(tmp_path / "audit.jsonl"), "--no-guardrail", "--restore"]
     stub.clear()
     process, port = start_privlm_on_free_port(lambda port: [*args, "--port", str(port)], env=env)
     try:
@@ -56,6 +56,24 @@ def test_the_gateway_command_serves_private_chat(smollm2_lm, stub, tmp_path):
     assert sent["messages"][0]["content"] != "Alice from Boston has asthma."
     assert stub.headers[-1]["authorization"] == "Bearer sk-cli-upstream-key"  # from the environment
     assert "released" in (tmp_path / "audit.jsonl").read_text()
+    # --restore, and conversation memory beside the ledger by default (kept across restarts, with its secret)
+    assert raw.headers["x-privlm-restored"] == "0" and raw.headers["x-privlm-texts-remembered"] == "0"
+    assert (tmp_path / "ledger.sqlite.memory").exists() and (tmp_path / "ledger.sqlite.memory.secret").exists()
+
+
+def test_chat_memory_settings(tmp_path):
+    from privlm.cli.gateway import _conversation_memory
+
+    ledger = tmp_path / "ledger.sqlite"
+    assert _conversation_memory(("off", 30.0, 10), ledger_path=ledger) is None
+    beside = _conversation_memory(("auto", 30.0, 10), ledger_path=ledger)
+    assert beside is not None and beside.path == tmp_path / "ledger.sqlite.memory" and beside.max_entries == 10
+    assert beside.ttl == 30 * 86_400
+    for setting, ledger_path in ((("auto", 1.0, 10), None), (("process", 1.0, 10), ledger)):
+        memory = _conversation_memory(setting, ledger_path=ledger_path)
+        assert memory is not None and memory.path is None  # this process only
+    chosen = _conversation_memory((str(tmp_path / "m.sqlite"), 1.0, 10), ledger_path=None)
+    assert chosen is not None and chosen.path == tmp_path / "m.sqlite"
 
 
 CHAT = ["gateway", "--chat-upstream", "http://127.0.0.1:9/v1"]
@@ -71,6 +89,10 @@ BAD_FLAGS = {
     "a ledger without a budget": ([*CHAT, "--epsilon", "6", "--logit-bound", "b.json", "--chat-ledger", "l.sqlite"],
                                   "--chat-budget"),
     "zero budget": ([*CHAT, "--epsilon", "6", "--logit-bound", "b.json", "--chat-budget", "0"], "--chat-budget"),
+    "unknown guardrail charge": ([*CHAT, "--epsilon", "6", "--logit-bound", "b.json", "--guardrail-charge", "team"],
+                                 "--guardrail-charge"),
+    "no guardrail places": ([*CHAT, "--epsilon", "6", "--logit-bound", "b.json", "--guardrail-max-in-flight", "0"],
+                            "--guardrail-max-in-flight"),
 }
 
 

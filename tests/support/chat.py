@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
+import zlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from fastapi import FastAPI, Request
@@ -26,7 +28,7 @@ from privlm.accounting import Ledger
 from privlm.cape.service.chat import create_chat_gateway
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit, Spend
-from privlm.models.perturbation import PerturbedPrompt, PromptReport
+from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
 from privlm.service.upstream import ChatUpstream
 from tests.service.localhost import serving
 
@@ -39,6 +41,8 @@ SLOW = "stub:slow"  # answers after SLOW_SECONDS
 STALL = "stub:stall"  # streams one chunk, then stalls for SLOW_SECONDS
 FAILING = "stub:500"  # answers 500
 MISSING = "stub:404"  # answers 404, OpenAI's model_not_found
+ECHO = "stub:echo"  # answers the last user message as it arrived ("You said: ..."), streamed in small pieces
+ECHO_PREFIX = "You said: "
 SLOW_SECONDS = 3.0
 
 # The stub's answers, as bytes: odd spacing and an unknown field on purpose, so that byte equality through the
@@ -103,6 +107,8 @@ def stub_app(record: StubUpstream) -> FastAPI:
         if model == MISSING:
             return Response(NOT_FOUND, status_code=404, media_type="application/json",
                             headers={"x-stub-header": "kept"})
+        if model == ECHO:
+            return _echo(body)
         if body.get("stream"):
             return StreamingResponse(_stream(stall=model == STALL), media_type="text/event-stream",
                                      headers={"x-stub-header": "kept"})
@@ -113,6 +119,27 @@ def stub_app(record: StubUpstream) -> FastAPI:
         return {"object": "list", "data": [{"id": "stub-model", "object": "model", "created": 0, "owned_by": "stub"}]}
 
     return app
+
+
+def echoed(body: dict[str, Any]) -> str:
+    """What the echo model answers to ``body``: its last user message's text, after :data:`ECHO_PREFIX`."""
+    content = [m for m in body["messages"] if m.get("role") == "user"][-1]["content"]
+    text = content if isinstance(content, str) else "\n".join(p.get("text", "") for p in content)
+    return ECHO_PREFIX + text
+
+
+def _echo(body: dict[str, Any]) -> Response:
+    text = echoed(body)
+    if not body.get("stream"):
+        return Response(json.dumps({"id": "chatcmpl-echo", "object": "chat.completion", "created": 1700000000,
+                                    "model": ECHO, "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                                        "content": text},
+                                                                "finish_reason": "stop"}]}),
+                        media_type="application/json")
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # 3 characters a chunk: replacements cut across
+    events = [_chunk({"role": "assistant", "content": ""}), *(_chunk({"content": p}) for p in pieces),
+              _chunk({}, "stop"), b"data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
 async def _stream(*, stall: bool) -> AsyncIterator[bytes]:
@@ -199,6 +226,48 @@ class FakePerturber:
                                   accounting={"privlm": total}, guarantee="a test mechanism",
                                   spent=total if self.ledger is not None else None)
             out.append(PerturbedPrompt(text=" ".join(WORDS[d] for d in draws), report=report))
+        return out
+
+
+class NamePerturber:
+    """A deterministic mechanism for the restore and memory tests: each word of ``REPLACEMENTS`` is released as its
+    replacement (a token record per word, leading space included), every other word unchanged; epsilon per
+    replaced word, charged to the ledger first."""
+
+    name = "names"
+    unit = PrivacyUnit.EPSILON
+    REPLACEMENTS: ClassVar[dict[str, str]] = {"Maria": "Jake", "Gonzalez": "Rodriguez", "Rotterdam": "Denver",
+                                              "Krakow": "Denver", "Lisbon": "Paris"}
+
+    def __init__(self, epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> None:
+        self.epsilon, self.ledger, self.principal = epsilon, ledger, principal
+
+    @property
+    def vocabulary(self) -> Any:
+        raise NotImplementedError
+
+    def perturb(self, text: str) -> PerturbedPrompt:
+        return self.perturb_batch([text])[0]
+
+    def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
+        pieces = [re.findall(r"\s*[\w']+|\s*[^\w\s]", text) for text in texts]
+        totals = [self.epsilon * sum(p.strip() in self.REPLACEMENTS for p in ps) for ps in pieces]
+        if self.ledger is not None:
+            self.ledger.spend_all(self.principal, [Spend(PrivacyUnit.EPSILON, t) for t in totals if t > 0])
+        out = []
+        for ps, total in zip(pieces, totals, strict=True):
+            records = []
+            for i, piece in enumerate(ps):
+                word = piece.strip()
+                released = piece.replace(word, self.REPLACEMENTS.get(word, word))
+                records.append(TokenRecord(position=i, original=piece, original_id=zlib.crc32(word.encode()),
+                                           released=released, released_id=zlib.crc32(released.strip().encode()),
+                                           outcome=TokenOutcome.PERTURBED if word in self.REPLACEMENTS
+                                           else TokenOutcome.NON_SENSITIVE))
+            report = PromptReport(mechanism="names", tokens=tuple(records), candidate_set_size=2,
+                                  accounting={"privlm": total}, guarantee="a test mechanism",
+                                  spent=total if self.ledger is not None else None)
+            out.append(PerturbedPrompt(text="".join(r.released for r in records), report=report))
         return out
 
 

@@ -3,7 +3,9 @@
 One SQLite file in WAL mode. ``spend`` runs one ``BEGIN IMMEDIATE`` transaction: it takes the
 database's write lock, reads the principal's total, refuses if the new total would pass the budget,
 and otherwise records the spend; so concurrent spends from threads and processes are serialised and
-never pass the budget together. Totals survive a restart. Nothing but the principal's id (for an API key,
+never pass the budget together. A joint principal (a LiteLLM key *and* its end user) is charged to each of its
+members in that one transaction, and refused whole if any member's budget would be passed. Totals survive a
+restart. Nothing but the principal's id (for an API key,
 an HMAC under the ledger's own secret, kept beside it: :mod:`privlm.accounting.principals`), the unit, the amount,
 the time and a short note is stored. Ledgers of earlier versions, which kept an unsalted sha256 prefix of each key,
 are migrated by :meth:`Ledger.adopt_keys`.
@@ -26,6 +28,7 @@ from privlm.accounting.principals import (
     PrincipalHasher,
     SecretFileError,
     legacy_principal_of_key,
+    principal_members,
     secret_path_of,
 )
 from privlm.mechanisms import PrivacyUnit, Spend
@@ -168,12 +171,13 @@ class Ledger:
         return self.budgets[unit]
 
     def spent(self, principal: str, unit: PrivacyUnit) -> float:
+        """What ``principal`` has spent; for a joint principal, the most any of its members has spent."""
+        members = principal_members(principal)
         with self._connection() as db:
-            row = db.execute("SELECT spent FROM totals WHERE principal = ? AND unit = ?",
-                             (principal, PrivacyUnit(unit).value)).fetchone()
-        return float(row[0]) if row else 0.0
+            return max(self._total(db, member, PrivacyUnit(unit)) for member in members)
 
     def remaining(self, principal: str, unit: PrivacyUnit) -> float:
+        """What ``principal`` may still spend; for a joint principal, the least any of its members has left."""
         return max(0.0, self.budget(unit) - self.spent(principal, unit))
 
     def spend(self, principal: str, spend: Spend, *, note: str = "") -> Receipt:
@@ -189,9 +193,15 @@ class Ledger:
 
     def spend_all(self, principal: str, spends: Sequence[Spend], *, note: str = "") -> list[Receipt]:
         """Check and record several spends (a batch of releases) in one transaction: all, or, if together they
-        would pass a budget, none (:class:`BudgetExhaustedError`). Call it before the releases, never after."""
+        would pass a budget, none (:class:`BudgetExhaustedError`). Call it before the releases, never after.
+
+        A joint principal (:func:`~privlm.accounting.principals.joint_principal`) is charged every spend once per
+        member, in this one transaction, and only if no member's budget would be passed; a refusal names the member
+        with the least left. Each receipt's total is the most any member has spent, so its ``remaining`` is the
+        least any member has left."""
         if not principal:
             raise ValueError("principal must be a non-empty id")
+        members = principal_members(principal)
         for spend in spends:
             check_non_negative_finite("spend amount", spend.amount)
         budgets = {PrivacyUnit(s.unit): self.budget(PrivacyUnit(s.unit)) for s in spends}
@@ -199,19 +209,24 @@ class Ledger:
         with self._connection() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                totals = {unit: self._total(db, principal, unit) for unit in budgets}
+                before = {(member, unit): self._total(db, member, unit) for member in members for unit in budgets}
+                totals = dict(before)
                 for spend in spends:
                     unit = PrivacyUnit(spend.unit)
-                    if totals[unit] + spend.amount > budgets[unit]:
-                        raise BudgetExhaustedError(principal=principal, unit=unit, budget=budgets[unit],
-                                                   spent=self._total(db, principal, unit),
+                    over = [member for member in members if totals[member, unit] + spend.amount > budgets[unit]]
+                    if over:  # named: the member with the least left, and what it had spent before this batch
+                        worst = max(over, key=lambda member: before[member, unit])
+                        raise BudgetExhaustedError(principal=worst, unit=unit, budget=budgets[unit],
+                                                   spent=before[worst, unit],
                                                    requested=sum(s.amount for s in spends if s.unit == unit))
-                    totals[unit] += spend.amount
-                    db.execute("INSERT INTO totals VALUES (?, ?, ?) ON CONFLICT (principal, unit) "
-                               "DO UPDATE SET spent = spent + excluded.spent", (principal, unit.value, spend.amount))
-                    db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) VALUES (?, ?, ?, ?, ?)",
-                               (principal, unit.value, spend.amount, time.time(), note[:200]))
-                    receipts.append(Receipt(principal=principal, spend=Spend(unit, spend.amount), total=totals[unit],
+                    for member in members:
+                        totals[member, unit] += spend.amount
+                        db.execute("INSERT INTO totals VALUES (?, ?, ?) ON CONFLICT (principal, unit) "
+                                   "DO UPDATE SET spent = spent + excluded.spent", (member, unit.value, spend.amount))
+                        db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) VALUES "
+                                   "(?, ?, ?, ?, ?)", (member, unit.value, spend.amount, time.time(), note[:200]))
+                    receipts.append(Receipt(principal=principal, spend=Spend(unit, spend.amount),
+                                            total=max(totals[member, unit] for member in members),
                                             budget=budgets[unit]))
                 db.execute("COMMIT")
             except BaseException:
@@ -228,7 +243,9 @@ class Ledger:
     def refund(self, principal: str, spends: Sequence[Spend], *, note: str) -> list[Receipt]:
         """Give back ``spends`` charged for a release that was never published (the upstream received nothing),
         in one transaction: each is recorded as its own row (a negative amount, with ``note``) and the total
-        reduced, never below zero. Each receipt holds the amount given back and the total after it."""
+        reduced, never below zero. Each receipt holds the amount given back and the total after it. A joint principal
+        gives back to each of its members (the receipt: the least given back, the most spent after)."""
+        members = principal_members(principal)
         for spend in spends:
             check_non_negative_finite("refund amount", spend.amount)
         receipts = []
@@ -237,13 +254,16 @@ class Ledger:
             try:
                 for spend in spends:
                     unit = PrivacyUnit(spend.unit)
-                    total = self._total(db, principal, unit)
-                    given = min(spend.amount, total)
-                    db.execute("UPDATE totals SET spent = ? WHERE principal = ? AND unit = ?",
-                               (total - given, principal, unit.value))
-                    db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) VALUES (?, ?, ?, ?, ?)",
-                               (principal, unit.value, -given, time.time(), note[:200]))
-                    receipts.append(Receipt(principal=principal, spend=Spend(unit, given), total=total - given,
+                    given, after = [], []
+                    for member in members:
+                        total = self._total(db, member, unit)
+                        given.append(min(spend.amount, total))
+                        after.append(total - given[-1])
+                        db.execute("UPDATE totals SET spent = ? WHERE principal = ? AND unit = ?",
+                                   (after[-1], member, unit.value))
+                        db.execute("INSERT INTO spends (principal, unit, amount, unix_time, note) "
+                                   "VALUES (?, ?, ?, ?, ?)", (member, unit.value, -given[-1], time.time(), note[:200]))
+                    receipts.append(Receipt(principal=principal, spend=Spend(unit, min(given)), total=max(after),
                                             budget=self.budget(unit)))
                 db.execute("COMMIT")
             except BaseException:

@@ -12,6 +12,12 @@ run only. The SAP vendor keeps the secret of its sessions' owners inside its ses
 
 The ids of earlier privlm ledgers were ``key:`` + the first 64 bits of an unsalted sha256 of the key, which anyone
 could recompute for a guessable key; :func:`legacy_principal_of_key` computes them only to migrate old ledgers.
+
+A *joint* principal (:func:`joint_principal`) stands for several principals at once, such as a LiteLLM key and
+one of its end users: a ledger charges it to every one of them in one transaction, only if each has budget left
+(:class:`privlm.accounting.Ledger`). It is a string, so every layer between the service and the ledger passes it
+on unchanged; the prefix ``all-of:`` is reserved for it, and no id privlm makes (``hmac-key:``, ``litellm-...``)
+can start with it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -29,6 +36,36 @@ LEGACY_KEY_PREFIX = "key:"
 LEGACY_KEY_ID = re.compile(r"key:[0-9a-f]{16}")
 SECRET_BYTES = 32
 SECRET_SUFFIX = ".secret"
+
+
+JOINT_PREFIX = "all-of:"
+
+
+def joint_principal(*members: str) -> str:
+    """One principal for all of ``members`` (duplicates dropped, order kept): a ledger charges each of them, and
+    only if each has budget left. One member is itself; two or more are ``all-of:`` and their JSON list."""
+    unique = list(dict.fromkeys(members))
+    if not unique:
+        raise ValueError("a joint principal needs at least one member")
+    for member in unique:
+        if not isinstance(member, str) or not member or member.startswith(JOINT_PREFIX):
+            raise ValueError("each member of a joint principal must be a non-empty id that is not joint itself")
+    return unique[0] if len(unique) == 1 else JOINT_PREFIX + json.dumps(unique, ensure_ascii=False)
+
+
+def principal_members(principal: str) -> tuple[str, ...]:
+    """The principals ``principal`` stands for: itself, or the members of a joint principal. A malformed joint
+    principal is refused (``ValueError``), never charged as one id."""
+    if not principal.startswith(JOINT_PREFIX):
+        return (principal,)
+    try:
+        members = json.loads(principal[len(JOINT_PREFIX):])
+    except ValueError:
+        members = None
+    if not (isinstance(members, list) and len(members) >= 2 and all(isinstance(m, str) for m in members)
+            and joint_principal(*members) == principal):
+        raise ValueError("a principal starting with 'all-of:' must be a joint principal (joint_principal)")
+    return tuple(members)
 
 
 class SecretFileError(ValueError):

@@ -49,13 +49,17 @@ def cape_calibrate(
     device_model: Annotated[str, typer.Option(help="smollm2, or a local causal or masked LM folder.")] = "smollm2",
     quantile: Annotated[float, typer.Option(help="B = this quantile of |logit| over the samples.")] = 1.0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    int8: Annotated[bool, typer.Option("--int8", help="For the device model's int8 copy (CPU only), as "
+                                                      "`privlm gateway --device-model-int8` runs it.")] = False,
 ) -> None:
     """Set Cape's logit bound B from sample prompts, tied to the device model's weights."""
     from privlm.cape import Cape
+    from privlm.models.language import LanguageModel
 
     texts = _prompts(prompts)
     try:
-        bound = Cape(device_model, epsilon=1.0, device=device).calibrate(texts, quantile=quantile)
+        model = LanguageModel.from_pretrained(device_model, device=device)  # int8: the CPU only
+        bound = Cape(model.quantize_int8() if int8 else model, epsilon=1.0).calibrate(texts, quantile=quantile)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     bound.save(out)

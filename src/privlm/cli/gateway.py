@@ -21,7 +21,10 @@ from privlm.cli.snd import (
 )
 
 if TYPE_CHECKING:
+    from privlm.cape import LogitBound
+    from privlm.cape.service.memory import ConversationMemory
     from privlm.gateway import ChatSetup, EmbeddingsSetup
+    from privlm.models.language import LanguageModel
 
 
 def _positive(value: float | None, flag: str) -> None:
@@ -51,6 +54,10 @@ def gateway(
     logit_bound: Annotated[Path | None, typer.Option(help="Chat: Cape's B, from `privlm cape calibrate`.")] = None,
     device_model: Annotated[str, typer.Option(help="Chat: the local device model (smollm2, or a local folder).")
                             ] = "smollm2",
+    device_model_int8: Annotated[bool, typer.Option("--device-model-int8", help="Chat: the device model with int8 "
+                                                    "dynamic quantization (CPU only; faster). --logit-bound must be "
+                                                    "calibrated on it: `privlm cape calibrate PROMPTS --int8`.")
+                                 ] = False,
     chat_model: Annotated[list[str] | None, typer.Option(help="Chat: model ids to list at /v1/models (repeatable; "
                                                               "default: the upstream's list).")] = None,
     perturb_system: Annotated[bool, typer.Option("--perturb-system", help="Chat: perturb system and developer "
@@ -78,10 +85,26 @@ def gateway(
                                                                                "guardrail API (it charges the ids "
                                                                                "LiteLLM names: give LiteLLM its own "
                                                                                "gateway).")] = False,
-    guardrail_charge: Annotated[str, typer.Option(help="Guardrail: charge the LiteLLM key (key) or the end user "
-                                                       "(end-user).")] = "key",
+    guardrail_charge: Annotated[str, typer.Option(help="Guardrail: charge the LiteLLM key and the end user together "
+                                                       "(key-and-end-user: both need budget left), the key alone "
+                                                       "(key), or the end user alone (end-user: a key holder can "
+                                                       "name new end users, each with a fresh budget).")
+                                ] = "key-and-end-user",
+    guardrail_max_in_flight: Annotated[int, typer.Option(help="Guardrail: its requests read or processed at once, "
+                                                              "queued for the device model (places of their own, "
+                                                              "not --max-in-flight's); more are BLOCKED.")] = 32,
     audit_log: Annotated[Path | None, typer.Option(help="Chat: audit log of what was sent (.jsonl or .sqlite); "
                                                         "never the original text.")] = None,
+    restore: Annotated[bool, typer.Option("--restore/--no-restore", help="Chat: write the user's own words back "
+                                          "where an answer quotes a replacement (locally, no privacy cost; a "
+                                          "request can say otherwise).")] = False,
+    chat_memory: Annotated[str, typer.Option(help="Chat: conversation memory (a text released once is released "
+                                             "again identically, free): auto (beside the chat ledger, else for this "
+                                             "process only), process, off, or a SQLite file.")] = "auto",
+    chat_memory_days: Annotated[float, typer.Option(help="Chat: memory entries expire this long after their last "
+                                                         "use.")] = 30.0,
+    chat_memory_max_entries: Annotated[int, typer.Option(help="Chat: most entries kept (the least recently used "
+                                                              "go first).")] = 100_000,
     max_prompt_tokens: Annotated[int, typer.Option(help="Chat: most tokens perturbed per request.")] = 8192,
     upstream_timeout: Annotated[float, typer.Option(help="Chat: deadline in seconds for the upstream's whole answer "
                                                          "(the whole body, or the whole stream).")] = 300.0,
@@ -139,9 +162,11 @@ def gateway(
         report_in_body=report_in_body, message_names=message_names,
         extract_model=extract_model if extract else None, budget=chat_budget,
         ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge, audit_log=audit_log,
+        guardrail_max_in_flight=guardrail_max_in_flight,
+        restore=restore, memory=(chat_memory, chat_memory_days, chat_memory_max_entries),
         max_prompt_tokens=max_prompt_tokens, upstream_limits=(upstream_timeout, upstream_idle_timeout,
                                                               max_upstream_answer_bytes),
-        device=device, shared=not keys)
+        device=device, shared=not keys, device_model_int8=device_model_int8)
     try:
         gateway_app = create_privacy_gateway(embeddings=embeddings, chat=chat, api_keys=keys, **service)
     except ValueError as error:
@@ -179,15 +204,18 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
                 report_in_body: bool, message_names: str, extract_model: str | None, budget: float | None,
                 ledger: Path | None,
                 guardrail: bool, guardrail_charge: str, audit_log: Path | None, max_prompt_tokens: int,
-                upstream_limits: tuple[float, float, int], device: str, shared: bool) -> ChatSetup:
+                upstream_limits: tuple[float, float, int], device: str, shared: bool,
+                guardrail_max_in_flight: int | None = None, restore: bool = False,
+                memory: tuple[str, float, int] = ("auto", 30.0, 100_000),
+                device_model_int8: bool = False) -> ChatSetup:
     import privlm.baselines
     import privlm.cape  # noqa: F401 (Cape's variants register by name)
     from privlm.cape import LogitBound
     from privlm.cape.service.chat import ChatOptions
+    from privlm.cape.service.guardrail import CHARGE_TO, GUARDRAIL_MAX_IN_FLIGHT
     from privlm.cape.service.messages import MESSAGE_NAMES
     from privlm.cli.cape import require_logit_bound
     from privlm.gateway import ChatSetup, mechanism_privacy
-    from privlm.models.language import LanguageModel
     from privlm.models.sources import cache_dir
     from privlm.models.text_mechanisms import check_epsilon, text_mechanism
     from privlm.service.audit import AuditLog
@@ -206,8 +234,11 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
     names = next((choice for choice in MESSAGE_NAMES if choice == message_names), None)
     if names is None:
         raise typer.BadParameter("must be drop, perturb or refuse", param_hint="--message-names")
-    if guardrail_charge not in ("key", "end-user"):
-        raise typer.BadParameter("must be key or end-user", param_hint="--guardrail-charge")
+    charge = next((choice for choice in CHARGE_TO if choice == guardrail_charge), None)
+    if charge is None:
+        raise typer.BadParameter(f"must be one of {', '.join(CHARGE_TO)}", param_hint="--guardrail-charge")
+    if guardrail_max_in_flight is not None and guardrail_max_in_flight < 1:
+        raise typer.BadParameter(f"must be >= 1, got {guardrail_max_in_flight}", param_hint="--guardrail-max-in-flight")
     if ledger is not None and budget is None:
         raise typer.BadParameter("a ledger needs a budget", param_hint="--chat-budget")
     try:
@@ -218,11 +249,12 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
         upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, deadline=deadline,
                                 idle_timeout=idle_timeout, max_answer_bytes=max_answer_bytes)
         audit = AuditLog(audit_log) if audit_log is not None else None
-        model = LanguageModel.from_pretrained(device_model, device=device)
+        model = _device_model(device_model, device=device, int8=device_model_int8, bound=bound)
         # One default ledger per unit: switching between mechanisms of one unit keeps every key's spend.
         path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{chosen.unit}.sqlite"
         privacy = mechanism_privacy(chosen.name, model, epsilon=epsilon, logit_bound=bound, budget=budget,
                                     ledger_path=path, max_prompt_tokens=max_prompt_tokens)
+        conversations = _conversation_memory(memory, ledger_path=path)
     except OSError as error:  # a --logit-bound, --chat-ledger or --audit-log that cannot be read or written
         raise typer.BadParameter(f"{error.strerror or error}: {error.filename}") from None
     except ValueError as error:
@@ -237,13 +269,54 @@ def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mecha
 
         extractor = AnswerExtractor(ChatModel.from_pretrained(extract_model, device=device))
     listed = list(models or []) or asyncio.run(_upstream_models(upstream_url, key_env))
-    charge: Literal["key", "end-user"] = "end-user" if guardrail_charge == "end-user" else "key"
     parts: Literal["refuse", "pass"] = "pass" if non_text_parts == "pass" else "refuse"
     return ChatSetup(privacy=privacy, upstream=upstream, models=listed,
                      options=ChatOptions(perturb_system=perturb_system, perturb_tool_results=perturb_tool_results,
                                          non_text_parts=parts,
-                                         report_in_body=report_in_body, message_names=names),
-                     audit=audit, extractor=extractor, guardrail=guardrail, guardrail_charge=charge)
+                                         report_in_body=report_in_body, message_names=names, restore=restore),
+                     memory=conversations, audit=audit, extractor=extractor, guardrail=guardrail,
+                     guardrail_charge=charge,
+                     guardrail_max_in_flight=guardrail_max_in_flight or GUARDRAIL_MAX_IN_FLIGHT)
+
+
+def _device_model(name: str, *, device: str, int8: bool, bound: LogitBound | None) -> LanguageModel:
+    """The chat's device model; with --device-model-int8 its int8 copy (CPU only), which B must have been
+    calibrated on: a bound holds for the weights it was calibrated on, and the int8 model's are others."""
+    from privlm.models.device import resolve_device
+    from privlm.models.language import LanguageModel
+
+    if int8 and (resolved := resolve_device(device)).type != "cpu":
+        raise typer.BadParameter(f"int8 dynamic quantization runs on the CPU only, and --device {device} is "
+                                 f"{resolved}: add --device cpu, or leave out --device-model-int8",
+                                 param_hint="--device-model-int8")
+    model = LanguageModel.from_pretrained(name, device=device)
+    if not int8:
+        return model
+    model = model.quantize_int8()
+    if bound is not None:
+        try:
+            bound.check_model(model.weights_fingerprint)
+        except ValueError:
+            raise typer.BadParameter("this logit bound was calibrated on another model than the int8 device model; "
+                                     "calibrate it on the int8 model: `privlm cape calibrate PROMPTS --int8`",
+                                     param_hint="--logit-bound") from None
+    return model
+
+
+def _conversation_memory(setting: tuple[str, float, int], *, ledger_path: Path | None) -> ConversationMemory | None:
+    """--chat-memory: auto (beside the ledger, ``<ledger>.memory``; else this process only), process, off, or a
+    file."""
+    from privlm.cape.service.memory import ConversationMemory
+
+    where, days, max_entries = setting
+    _positive(days, "--chat-memory-days")
+    if where == "off":
+        return None
+    if where == "auto":
+        path = None if ledger_path is None else ledger_path.with_name(ledger_path.name + ".memory")
+    else:
+        path = None if where == "process" else Path(where)
+    return ConversationMemory(path, ttl_seconds=days * 86_400, max_entries=max_entries)
 
 
 async def _upstream_models(url: str, key_env: str) -> list[str]:

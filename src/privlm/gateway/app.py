@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Unpack
+from typing import Unpack
 
 from fastapi import APIRouter, FastAPI
 
@@ -26,7 +26,14 @@ from privlm.accounting import Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
 from privlm.cape.service.extraction import AnswerExtractor
-from privlm.cape.service.guardrail import REFUSAL_ANSWERS, guardrail_router
+from privlm.cape.service.guardrail import (
+    GUARDRAIL_MAX_IN_FLIGHT,
+    REFUSAL_ANSWERS,
+    ChargeTo,
+    guardrail_lanes,
+    guardrail_router,
+)
+from privlm.cape.service.memory import ConversationMemory
 from privlm.cape.service.privacy import PromptPrivacy
 from privlm.models.language import LanguageModel
 from privlm.models.text_mechanisms import text_mechanism
@@ -58,8 +65,10 @@ class ChatSetup:
     options: ChatOptions = field(default_factory=ChatOptions)
     audit: AuditLog | None = None
     extractor: AnswerExtractor | None = None
+    memory: ConversationMemory | None = None  # conversation memory (privlm.cape.service.memory); None: none
     guardrail: bool = False  # it charges ids its caller names: mount it only where LiteLLM alone holds a key
-    guardrail_charge: Literal["key", "end-user"] = "key"
+    guardrail_charge: ChargeTo = "key-and-end-user"
+    guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT  # the guardrail route's own places (LiteLLM's burst)
 
 
 def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: ChatSetup | None = None,
@@ -79,16 +88,20 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
         offered += routes.offered
         health["embeddings"] = routes.health
     if chat is not None:
+        batcher = chat.privacy.batched()  # one queue for the device model, whichever route perturbs
         routers.append(chat_router(chat.privacy, chat.upstream, auth=auth, options=chat.options, audit=chat.audit,
-                                   extractor=chat.extractor))
+                                   extractor=chat.extractor, memory=chat.memory, batcher=batcher))
         if chat.guardrail:
-            routers.append(guardrail_router(chat.privacy, charge_to=chat.guardrail_charge, audit=chat.audit))
+            routers.append(guardrail_router(chat.privacy, charge_to=chat.guardrail_charge, audit=chat.audit,
+                                            memory=chat.memory, batcher=batcher))
         offered += [ModelEntry(id=name, owned_by="upstream") for name in chat.models]
         health["chat"] = {"mechanism": chat.privacy.mechanism, "epsilon": chat.privacy.epsilon,
                           "upstream": chat.upstream.base_url, "guardrail": chat.guardrail}
     return create_service_app(title="privlm gateway (OpenAI-compatible, private)",
                               routers=[*routers, catalog_router(offered)], auth=auth,
                               refusal_answers=REFUSAL_ANSWERS if chat is not None and chat.guardrail else None,
+                              lanes=guardrail_lanes(chat.guardrail_max_in_flight)
+                              if chat is not None and chat.guardrail else None,
                               max_request_bytes=max_request_bytes,
                               lifespan=closing_upstream(chat.upstream) if chat is not None else None,
                               health=lambda: health, **service)

@@ -2,13 +2,14 @@
 
 Server side: :func:`create_service_app` (Bearer keys, body limits, one error model, /health,
 /metrics, the Host check of open services), :func:`run_service` (uvicorn with header timeouts and a cap
-on connections), :class:`MicroBatcher`, :class:`Bundle`. Client side: :class:`RetryPolicy` (one policy
+on connections), :class:`Batcher` (concurrent requests in shared batches, callers taking turns) and
+SnD's :class:`MicroBatcher` on it, :class:`Bundle`. Client side: :class:`RetryPolicy` (one policy
 for sync and async clients), :func:`download_bundle` and :func:`get_capped`.
 """
 
 from privlm.service.app import ServiceOptions, create_service_app
 from privlm.service.auth import ANONYMOUS, BearerKeys
-from privlm.service.batching import MicroBatcher
+from privlm.service.batching import Batcher, MicroBatcher
 from privlm.service.bundle import Bundle, BundleFile, check_file_name, download_bundle, get_capped
 from privlm.service.catalog import ModelEntry, ModelList, catalog_router, check_model, model_not_found
 from privlm.service.disclosure import public_config, public_model_name
@@ -19,6 +20,7 @@ from privlm.service.serving import run_service
 
 __all__ = [
     "ANONYMOUS",
+    "Batcher",
     "BearerKeys",
     "Bundle",
     "BundleFile",

@@ -33,7 +33,7 @@ from privlm.accounting import BudgetExhaustedError
 from privlm.service.auth import BearerKeys
 from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response
 from privlm.service.hosts import ANY_HOST, HostCheckMiddleware
-from privlm.service.limits import BODY_TIMEOUT, MAX_IN_FLIGHT, BodyLimitMiddleware, RefusalAnswer
+from privlm.service.limits import BODY_TIMEOUT, MAX_IN_FLIGHT, BodyLimitMiddleware, Lane, RefusalAnswer
 from privlm.service.metrics import RequestMetricsMiddleware, ServiceMetrics
 from privlm.wire import WireError
 
@@ -55,13 +55,14 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
                        version: str = "1", docs: bool = False, allowed_hosts: Sequence[str] | None = None,
                        max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None,
                        body_timeout: float = BODY_TIMEOUT,
-                       refusal_answers: Mapping[str, RefusalAnswer] | None = None) -> FastAPI:
+                       refusal_answers: Mapping[str, RefusalAnswer] | None = None,
+                       lanes: Mapping[str, Lane] | None = None) -> FastAPI:
     """A service with the system's ``routers`` behind ``auth``; ``health`` adds facts to ``/health``.
 
     ``docs``: serve ``/docs`` and ``/redoc``. ``allowed_hosts``: ``Host`` names answered besides loopback
     ones (``"*"``: any); by default none on an open service, any on one with keys. ``max_in_flight``,
-    ``max_in_flight_per_caller``, ``body_timeout`` and ``refusal_answers`` (a path's own answer to those
-    limits' refusals): see :mod:`privlm.service.limits`.
+    ``max_in_flight_per_caller``, ``body_timeout``, ``refusal_answers`` (a path's own answer to those
+    limits' refusals) and ``lanes`` (a path's own in-flight places): see :mod:`privlm.service.limits`.
     """
     check_positive_int("max_in_flight", max_in_flight)
     check_positive_finite("body_timeout", body_timeout)
@@ -73,7 +74,7 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth, body_timeout=body_timeout,
                        max_in_flight=max_in_flight, max_in_flight_per_caller=max_in_flight_per_caller,
-                       refusal_answers=refusal_answers)
+                       refusal_answers=refusal_answers, lanes=lanes)
     hosts = list(allowed_hosts) if allowed_hosts is not None else [] if auth.open else [ANY_HOST]
     app.add_middleware(HostCheckMiddleware, allowed_hosts=hosts)  # before any body is read or key checked
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it also counts refusals

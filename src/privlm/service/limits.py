@@ -20,7 +20,12 @@ Two more bounds keep slow or many clients from holding the service:
   - ``max_in_flight_per_caller`` (a quarter of ``max_in_flight`` by default): on a service with keys, one
     API key may hold at most that many of those places, so that no caller fills them all; one more is
     answered 429 (``rate_limit_exceeded``, ``retry-after: 1``). A service without keys cannot tell its
-    callers apart (on localhost they share one address), so there only ``max_in_flight`` applies.
+    callers apart (on localhost they share one address), so there only ``max_in_flight`` applies;
+  - ``lanes`` (path -> :class:`Lane`): a route whose requests have places of their own. Its requests count only
+    against its lane's ``max_in_flight`` (all its callers together), neither against ``max_in_flight`` nor against
+    a caller's quarter of it, and one more is refused as busy (503, naming the lane's setting). The LiteLLM
+    guardrail has one: LiteLLM is one caller that sends a whole burst, whose requests must queue for the device
+    model rather than be refused, and whose burst must not take the places of the other routes' callers.
 
 A client that goes away mid-upload is one ``info`` line on the ``privlm.service`` logger, never a
 traceback.
@@ -36,11 +41,13 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from privlm._validation import check_positive_int
 from privlm.service.auth import API_KEY_HEADER, BearerKeys, bearer_key, request_key
 from privlm.service.errors import error_response
 
@@ -53,10 +60,23 @@ RefusalAnswer = Callable[[JSONResponse], Response]
 """A path's own answer to one of the middleware's refusals (given as the OpenAI-shaped error it would be)."""
 
 
+@dataclass(frozen=True)
+class Lane:
+    """A route's own in-flight places: at most ``max_in_flight`` of its requests read or processed at once, set by
+    the option ``param`` (named in the refusal)."""
+
+    max_in_flight: int
+    param: str
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.param, self.max_in_flight)
+
+
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, *, max_bytes: int, auth: BearerKeys, body_timeout: float = BODY_TIMEOUT,
                  max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None,
-                 refusal_answers: Mapping[str, RefusalAnswer] | None = None) -> None:
+                 refusal_answers: Mapping[str, RefusalAnswer] | None = None,
+                 lanes: Mapping[str, Lane] | None = None) -> None:
         if not body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
@@ -72,6 +92,8 @@ class BodyLimitMiddleware:
         self.in_flight = 0  # requests with a body being read or processed now (one event loop: no lock)
         self.in_flight_by_caller: Counter[str] = Counter()
         self.refusal_answers = dict(refusal_answers or {})
+        self.lanes = dict(lanes or {})
+        self.in_flight_by_lane: Counter[str] = Counter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,6 +118,10 @@ class BodyLimitMiddleware:
         if not has_body:
             await self._read_and_run(scope, receive, send)
             return
+        path = _route_path(scope)
+        if path in self.lanes:
+            await self._in_lane(path, scope, receive, send)
+            return
         if self.in_flight >= self.max_in_flight:
             await self._busy(scope, receive, send)
             return
@@ -114,6 +140,21 @@ class BodyLimitMiddleware:
                 self.in_flight_by_caller[caller] -= 1
                 if not self.in_flight_by_caller[caller]:
                     del self.in_flight_by_caller[caller]
+
+    async def _in_lane(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        lane = self.lanes[path]
+        if self.in_flight_by_lane[path] >= lane.max_in_flight:
+            response = error_response(503, f"the service is reading or processing {lane.param}={lane.max_in_flight} "
+                                           "requests on this route; retry shortly", type="server_error",
+                                      param=lane.param, code="server_busy",
+                                      headers={"retry-after": "1", "connection": "close"})
+            await self._send_refusal(response, scope, receive, send)
+            return
+        self.in_flight_by_lane[path] += 1
+        try:
+            await self._read_and_run(scope, receive, send)
+        finally:
+            self.in_flight_by_lane[path] -= 1
 
     async def _read_and_run(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks, size = [], 0

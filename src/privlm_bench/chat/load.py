@@ -6,7 +6,14 @@ Every party runs in its own process on localhost, so that the clients' load shar
     own overhead (Cape on SmolLM2, then proxying) stands on its own;
   - ``privlm serve-llm``: real SmolLM2 generation (greedy, ``max_tokens`` tokens), the upstream of the demo;
   - ``privlm gateway --chat-upstream URL`` in front of each, Cape at ``epsilon`` per token with a logit bound
-    calibrated on public prompts (:data:`CALIBRATION_PROMPTS`).
+    calibrated on public prompts (:data:`CALIBRATION_PROMPTS`); and a second one with ``--device-model-int8``
+    (B calibrated on the int8 model), unless ``int8`` is off.
+
+The floor (:func:`measure_floor`): the device model's own throughput through the gateway's mechanism, measured
+in this process before the gateways start: batches of :data:`FLOOR_BATCH` one-prompt requests, each batch one
+call of :meth:`~privlm.cape.service.privacy.PromptPrivacy.privatize_many` (what the gateway runs per batch), and
+the same prompts one request at a time. The gateway's throughput at :data:`FLOOR_BATCH` clients against the stub,
+over the floor, is how much of the device model's batched throughput the gateway keeps.
 
 Clients are asyncio tasks in this process, one ``httpx.AsyncClient`` (one kept-alive connection) each; every
 client sends ``requests_per_client`` requests one after another, each a one-message chat with one of
@@ -33,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +52,9 @@ from fastapi.responses import Response, StreamingResponse
 from rich.console import Console
 
 from privlm._validation import check_positive_finite, check_positive_int
+from privlm.cape.service.privacy import PrivacyRequest, PromptPrivacy
 from privlm.mechanisms import make_generator
+from privlm.models.language import LanguageModel
 from privlm.provenance import provenance
 from privlm.service import BearerKeys, create_service_app, run_service
 from privlm.service.auth import KEY_ENV_VARS
@@ -71,6 +80,9 @@ STUB_MODEL = "privlm-stub-chat"
 STUB_ANSWER = ("Thanks for your message. Here is a short canned answer from the stub upstream, sent at once "
                "for the benchmark.")
 TIMEOUT_S = 600.0  # one request, however long the queue before it
+DIRECT = "direct"
+GATEWAY, GATEWAY_INT8 = "gateway", "gateway-int8"  # the paths through a gateway: fp32 or int8 device model
+FLOOR_BATCH = 8  # the floor's batch, and the number of clients whose throughput is set against it
 
 # Short prompts with (invented) personal details: what the gateway is for. Public test strings.
 PROMPTS: tuple[str, ...] = (
@@ -120,7 +132,9 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
 class ChatBenchSetting:
     """One run's sizes. ``clients``: the numbers of concurrent clients; ``max_tokens``: what serve-llm
     generates per answer; ``stub_chunks``: content chunks of the stub's stream; ``warmup_requests``: sequential
-    requests per (path, mode) before timing; ``skip_llm``: measure the stub upstream only."""
+    requests per (path, mode) before timing; ``skip_llm``: measure the stub upstream only; ``int8``: also a
+    gateway with ``--device-model-int8``; ``floor_batches``: timed batches of the floor (after one warm-up);
+    ``llm_requests_per_client``: serve-llm's, when fewer (its answers take a second each; None: the same)."""
 
     requests_per_client: int = 8
     clients: tuple[int, ...] = CLIENT_COUNTS
@@ -130,9 +144,15 @@ class ChatBenchSetting:
     stub_chunks: int = 16
     warmup_requests: int = 4
     skip_llm: bool = False
+    int8: bool = True
+    floor_batches: int = 4
+    llm_requests_per_client: int | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("requests_per_client", self.requests_per_client)
+        check_positive_int("floor_batches", self.floor_batches)
+        if self.llm_requests_per_client is not None:
+            check_positive_int("llm_requests_per_client", self.llm_requests_per_client)
         check_positive_int("max_tokens", self.max_tokens)
         check_positive_int("stub_chunks", self.stub_chunks)
         check_positive_finite("epsilon", self.epsilon)
@@ -144,6 +164,11 @@ class ChatBenchSetting:
         for count in self.clients:
             check_positive_int("clients", count)
         self.clients = tuple(self.clients)
+
+    @property
+    def gateways(self) -> dict[str, bool]:
+        """The gateways measured: path name -> whether its device model is int8."""
+        return {GATEWAY: False, **({GATEWAY_INT8: True} if self.int8 else {})}
 
 
 # ------------------------------------------------------------------------------------------- the stub upstream
@@ -254,18 +279,44 @@ def added(direct: Mapping[str, Any], gateway: Mapping[str, Any]) -> dict[str, An
             return None
         return float(gateway[metric][stat] - direct[metric][stat])
 
-    return {"upstream": direct["upstream"], "mode": direct["mode"], "clients": direct["clients"],
-            "added_latency_p50_ms": delta("latency", "p50_ms"), "added_latency_p99_ms": delta("latency", "p99_ms"),
+    return {"upstream": direct["upstream"], "path": gateway["path"], "mode": direct["mode"],
+            "clients": direct["clients"], "added_latency_p50_ms": delta("latency", "p50_ms"),
+            "added_latency_p99_ms": delta("latency", "p99_ms"),
             "added_ttft_p50_ms": delta("ttft", "p50_ms"), "added_ttft_p99_ms": delta("ttft", "p99_ms"),
             "throughput_fraction": (gateway["requests_per_s"] / direct["requests_per_s"]
                                     if direct["requests_per_s"] > 0 else None)}
 
 
 def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`added` for every (upstream, mode, clients) measured both directly and through the gateway."""
+    """:func:`added` for every gateway row whose (upstream, mode, clients) was measured directly too."""
     by_key = {(r["upstream"], r["mode"], r["clients"], r["path"]): r for r in rows}
-    return [added(r, by_key[(*key, "gateway")]) for r in rows
-            if r["path"] == "direct" and (key := (r["upstream"], r["mode"], r["clients"])) + ("gateway",) in by_key]
+    return [added(by_key[(*key, DIRECT)], r) for r in rows
+            if r["path"] != DIRECT and (key := (r["upstream"], r["mode"], r["clients"])) + (DIRECT,) in by_key]
+
+
+def throughput(rows: Sequence[Mapping[str, Any]], floors: Mapping[str, Mapping[str, Any]], *,
+               upstream: str = "stub") -> list[dict[str, Any]]:
+    """Per gateway path and mode against ``upstream``: the floor, the throughput at every number of clients, its
+    ratio to the floor at :data:`FLOOR_BATCH` clients, and the added latency (p50, p99) at every load."""
+    added_by = {(c["path"], c["mode"], c["clients"]): c for c in comparisons(rows) if c["upstream"] == upstream}
+    summary = []
+    for path, floor in floors.items():
+        for mode in MODES:
+            measured = {r["clients"]: r for r in rows
+                        if r["upstream"] == upstream and r["path"] == path and r["mode"] == mode}
+            if not measured:
+                continue
+            at_batch = measured.get(FLOOR_BATCH)
+            summary.append({
+                "path": path, "mode": mode, "floor_requests_per_s": floor["requests_per_s"],
+                "single_requests_per_s": floor["single_requests_per_s"],
+                "requests_per_s": {str(n): r["requests_per_s"] for n, r in sorted(measured.items())},
+                "ratio_to_floor": (None if at_batch is None
+                                   else at_batch["requests_per_s"] / floor["requests_per_s"]),
+                "added_latency_ms": {str(n): {"p50": added_by[(path, mode, n)]["added_latency_p50_ms"],
+                                              "p99": added_by[(path, mode, n)]["added_latency_p99_ms"]}
+                                     for n in sorted(measured) if (path, mode, n) in added_by}})
+    return summary
 
 
 # ----------------------------------------------------------------------------------------------- one request
@@ -382,10 +433,11 @@ async def first_model(base_url: str) -> str:
 
 
 async def measure_upstream(upstream: str, urls: Mapping[str, str], setting: ChatBenchSetting,
-                           prompts: Sequence[str] = PROMPTS, *, log: Callable[[str], None] = lambda _: None
-                           ) -> list[dict[str, Any]]:
+                           prompts: Sequence[str] = PROMPTS, *, log: Callable[[str], None] = lambda _: None,
+                           before: Callable[[int, Mode], None] | None = None) -> list[dict[str, Any]]:
     """Rows for ``upstream`` on every path of ``urls`` (``{"direct": ..., "gateway": ...}``), mode and number of
-    clients. Paths alternate within each (clients, mode), so that a change of load on the machine hits both."""
+    clients. Paths alternate within each (clients, mode), so that a change of load on the machine hits both;
+    ``before(clients, mode)`` runs before each (clients, mode) (the floor's measurements)."""
     model = await first_model(urls["direct"])
     order = prompt_order(setting.seed, len(prompts))
 
@@ -408,6 +460,8 @@ async def measure_upstream(upstream: str, urls: Mapping[str, str], setting: Chat
     rows = []
     for clients in setting.clients:
         for mode in MODES:
+            if before is not None:
+                before(clients, mode)
             for path, url in urls.items():
                 log(f"{upstream}: {clients} clients, {path}, {mode}")
                 result = await run_load(url, sender(mode), clients=clients,
@@ -446,21 +500,109 @@ def serve_llm_args(port: int) -> list[str]:
     return ["serve-llm", "--port", str(port)]
 
 
-def gateway_args(port: int, upstream_url: str, *, epsilon: float, logit_bound: Path, max_in_flight: int
-                 ) -> list[str]:
-    """``privlm gateway`` in front of ``upstream_url``: Cape at ``epsilon`` per token, open on loopback."""
+def gateway_args(port: int, upstream_url: str, *, epsilon: float, logit_bound: Path, max_in_flight: int,
+                 int8: bool = False) -> list[str]:
+    """``privlm gateway`` in front of ``upstream_url``: Cape at ``epsilon`` per token, open on loopback; with
+    ``int8``, its device model int8 on the CPU."""
     return ["gateway", "--chat-upstream", upstream_url, "--mechanism", "cape", "--epsilon", f"{epsilon:g}",
-            "--logit-bound", str(logit_bound), "--max-in-flight", str(max_in_flight), "--port", str(port)]
+            "--logit-bound", str(logit_bound), "--max-in-flight", str(max_in_flight), "--port", str(port),
+            "--chat-memory", "off",  # every request perturbed afresh: the cost measured is the perturbation's
+            *(["--device-model-int8", "--device", "cpu"] if int8 else [])]
 
 
-def calibrate_bound(path: Path) -> dict[str, Any]:
-    """Cape's logit bound B on SmolLM2 from :data:`CALIBRATION_PROMPTS`, saved at ``path`` for the gateway."""
+def calibrate_bound(path: Path, model: LanguageModel | None = None) -> dict[str, Any]:
+    """Cape's logit bound B on ``model`` (default: SmolLM2 on the CPU) from :data:`CALIBRATION_PROMPTS`, saved at
+    ``path`` for the gateway."""
     from privlm.cape import Cape
 
-    bound = Cape("smollm2", epsilon=1.0, device="cpu").calibrate(list(CALIBRATION_PROMPTS))
+    model = model or LanguageModel.from_pretrained("smollm2", device="cpu")
+    bound = Cape(model, epsilon=1.0).calibrate(list(CALIBRATION_PROMPTS))
     bound.save(path)
     return {"value": bound.value, "n_texts": bound.n_texts, "n_logits": bound.n_logits,
-            "model_fingerprint": bound.model_fingerprint}
+            "model_fingerprint": bound.model_fingerprint, "int8": model.quantized}
+
+
+def time_floor(privacy: PromptPrivacy, prompts: Sequence[str], *, batch: int = FLOOR_BATCH, batches: int = 4
+               ) -> tuple[list[float], list[float]]:
+    """Seconds of ``batches`` batches of ``batch`` one-prompt requests through ``privacy`` (consecutive
+    ``prompts``, cycling), each one :meth:`PromptPrivacy.privatize_many` call, after one warm-up batch; then of the
+    first ``batch`` prompts one request at a time."""
+    def timed(texts: Sequence[str]) -> float:
+        started = time.perf_counter()
+        outcomes = privacy.privatize_many([PrivacyRequest((text,), "bench") for text in texts])
+        seconds = time.perf_counter() - started
+        failed = [o for o in outcomes if isinstance(o, Exception)]
+        if failed:
+            raise RuntimeError(f"the floor's privacy step failed: {failed[0]}")
+        return seconds
+
+    def cut(k: int) -> list[str]:
+        return [prompts[(k * batch + i) % len(prompts)] for i in range(batch)]
+
+    timed(cut(0))  # warm-up
+    batch_s = [timed(cut(k)) for k in range(batches)]
+    return batch_s, [timed([text]) for text in cut(0)]
+
+
+def floor_figures(batch_s: Sequence[float], single_s: Sequence[float], *, batch: int = FLOOR_BATCH
+                  ) -> dict[str, Any]:
+    """The floor from its timings: medians, and requests/s batched and one at a time."""
+    median_batch, median_single = float(np.median(batch_s)), float(np.median(single_s))
+    return {"batch": batch, "batch_s": list(batch_s), "median_batch_s": median_batch,
+            "requests_per_s": batch / median_batch, "single_s": list(single_s), "median_single_s": median_single,
+            "single_requests_per_s": 1 / median_single, "batch_speedup": median_single * batch / median_batch}
+
+
+def measure_floor(privacy: PromptPrivacy, prompts: Sequence[str], *, batch: int = FLOOR_BATCH, batches: int = 4
+                  ) -> dict[str, Any]:
+    """:func:`time_floor` once, and its :func:`floor_figures`."""
+    batch_s, single_s = time_floor(privacy, prompts, batch=batch, batches=batches)
+    return floor_figures(batch_s, single_s, batch=batch)
+
+
+@dataclass
+class Floors:
+    """The floor of every gateway path, measured several times in a run (at its start, then just before each of
+    the stub's rows at :data:`FLOOR_BATCH` clients, so that it sees what load the machine had then); the figures
+    pool every timing."""
+
+    privacies: dict[str, PromptPrivacy]
+    prompts: list[str]
+    batches: int
+    timings: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    measured_at: list[str] = field(default_factory=list)
+
+    def measure(self, when: str, log: Callable[[str], None]) -> None:
+        for path, privacy in self.privacies.items():
+            log(f"{path}: measuring the floor ({when}: batches of {FLOOR_BATCH} prompts through Cape)")
+            batch_s, single_s = time_floor(privacy, self.prompts, batches=self.batches)
+            pooled = self.timings.setdefault(path, ([], []))
+            pooled[0].extend(batch_s)
+            pooled[1].extend(single_s)
+        self.measured_at.append(when)
+
+    def figures(self) -> dict[str, Any]:
+        return {path: {**floor_figures(*timings), "measured": list(self.measured_at)}
+                for path, timings in self.timings.items()}
+
+
+def prepare_device_models(folder: Path, setting: ChatBenchSetting, log: Callable[[str], None]
+                          ) -> tuple[dict[str, Path], dict[str, Any], Floors]:
+    """Per gateway path (:attr:`ChatBenchSetting.gateways`): B calibrated on its own device model (the int8 one for
+    the int8 gateway) and saved for it, and the privacy step its floor is measured through (measured once now).
+    Returns the bounds' paths, their figures, the floors."""
+    fp32 = LanguageModel.from_pretrained("smollm2", device="cpu")
+    order = prompt_order(setting.seed, len(PROMPTS))
+    paths, bounds, privacies = {}, {}, {}
+    for path, int8 in setting.gateways.items():
+        model = fp32.quantize_int8() if int8 else fp32
+        paths[path] = folder / f"logit_bound-{path}.json"
+        log(f"{path}: calibrating Cape's logit bound on public prompts")
+        bounds[path] = calibrate_bound(paths[path], model)
+        privacies[path] = PromptPrivacy.cape(model, epsilon=setting.epsilon, logit_bound=bounds[path]["value"])
+    floors = Floors(privacies, [PROMPTS[i] for i in order], setting.floor_batches)
+    floors.measure("at the start", log)
+    return paths, bounds, floors
 
 
 @contextmanager
@@ -473,23 +615,28 @@ def running(args: list[str], health_url: str) -> Iterator[subprocess.Popen[bytes
         stop(process)
 
 
-def _measure_through_gateway(upstream: str, upstream_url: str, setting: ChatBenchSetting, bound: Path,
-                             log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Start a gateway in front of ``upstream_url``, measure both paths, stop the gateway."""
-    port = free_port()
-    args = gateway_args(port, upstream_url, epsilon=setting.epsilon, logit_bound=bound,
-                        max_in_flight=max(32, 2 * max(setting.clients)))
-    log(f"{upstream}: starting privlm gateway")
-    with running(args, f"http://127.0.0.1:{port}/health"):
-        urls = {"direct": upstream_url, "gateway": f"http://127.0.0.1:{port}"}
-        rows = asyncio.run(measure_upstream(upstream, urls, setting, log=log))
-    return rows, ["privlm", *args]
+def _measure_through_gateways(upstream: str, upstream_url: str, setting: ChatBenchSetting, bounds: Mapping[str, Path],
+                              log: Callable[[str], None], before: Callable[[int, Mode], None] | None = None
+                              ) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """Start every gateway in front of ``upstream_url``, measure every path, stop the gateways."""
+    urls, commands = {DIRECT: upstream_url}, {}
+    with ExitStack() as stack:
+        for path, int8 in setting.gateways.items():
+            port = free_port()
+            args = gateway_args(port, upstream_url, epsilon=setting.epsilon, logit_bound=bounds[path],
+                                max_in_flight=max(32, 2 * max(setting.clients)), int8=int8)
+            log(f"{upstream}: starting privlm gateway ({path})")
+            stack.enter_context(running(args, f"http://127.0.0.1:{port}/health"))
+            urls[path], commands[f"{path} ({upstream})"] = f"http://127.0.0.1:{port}", ["privlm", *args]
+        rows = asyncio.run(measure_upstream(upstream, urls, setting, log=log, before=before))
+    return rows, commands
 
 
 def run_chat_bench(setting: ChatBenchSetting, out_dir: Path, console: Console) -> list[Path]:
     """The whole benchmark: the stub upstream, then serve-llm (unless ``skip_llm``), each directly and through
     its own gateway. Writes results.json and results.md in ``out_dir``, prints the tables, returns the files."""
     meta = provenance(seed=setting.seed)
+    load_at_start = os.getloadavg()  # others' work on this machine shows in every figure
 
     def log(message: str) -> None:
         console.log(message, highlight=False)
@@ -497,26 +644,34 @@ def run_chat_bench(setting: ChatBenchSetting, out_dir: Path, console: Console) -
     rows: list[dict[str, Any]] = []
     commands: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="privlm-chat-bench-") as folder, ExitStack() as stack:
-        bound_path = Path(folder) / "logit_bound.json"
-        log("calibrating Cape's logit bound on public prompts")
-        bound = calibrate_bound(bound_path)
+        bound_paths, bounds, floors = prepare_device_models(Path(folder), setting, log)
         stub_port = free_port()
         stub = start_stub(stub_port, setting.stub_chunks)
         stack.callback(stop, stub)
         commands["stub"] = [sys.executable, "-c", f"serve_stub({stub_port}, {setting.stub_chunks})"]
-        stub_rows, commands["gateway (stub)"] = _measure_through_gateway(
-            "stub", f"http://127.0.0.1:{stub_port}", setting, bound_path, log)
+
+        def floor_again(clients: int, mode: Mode) -> None:
+            if clients == FLOOR_BATCH:
+                floors.measure(f"before the {clients}-client {mode} rows", log)
+
+        stub_rows, gateways = _measure_through_gateways("stub", f"http://127.0.0.1:{stub_port}", setting,
+                                                        bound_paths, log, before=floor_again)
         rows += stub_rows
+        commands |= gateways
         stack.close()
         if not setting.skip_llm:
             llm_port = free_port()
             log("starting privlm serve-llm")
             commands["serve-llm"] = ["privlm", *serve_llm_args(llm_port)]
+            llm_setting = replace(setting, requests_per_client=setting.llm_requests_per_client
+                                  or setting.requests_per_client)
             with running(serve_llm_args(llm_port), f"http://127.0.0.1:{llm_port}/health"):
-                llm_rows, commands["gateway (serve-llm)"] = _measure_through_gateway(
-                    "serve-llm", f"http://127.0.0.1:{llm_port}", setting, bound_path, log)
+                llm_rows, gateways = _measure_through_gateways("serve-llm", f"http://127.0.0.1:{llm_port}",
+                                                               llm_setting, bound_paths, log)
             rows += llm_rows
-    payload = chat_results(setting, rows, meta=meta, logit_bound=bound, commands=commands)
+            commands |= gateways
+    payload = chat_results(setting, rows, meta=meta, logit_bound=bounds, commands=commands, floors=floors.figures())
+    payload["environment"]["load_average"] = {"start": list(load_at_start), "end": list(os.getloadavg())}
     files = write_chat_report(out_dir, payload)
     console.print(files[1].read_text(), markup=False, highlight=False)
     return files
@@ -527,8 +682,10 @@ def run_chat_bench(setting: ChatBenchSetting, out_dir: Path, console: Console) -
 
 def chat_results(setting: ChatBenchSetting, rows: Sequence[Mapping[str, Any]], *, meta: Mapping[str, object],
                  logit_bound: Mapping[str, Any] | None = None, commands: Mapping[str, list[str]] | None = None,
-                 prompts: Sequence[str] = PROMPTS) -> dict[str, Any]:
-    """results.json's content: provenance, the setting, the environment, every row and the comparisons."""
+                 prompts: Sequence[str] = PROMPTS, floors: Mapping[str, Mapping[str, Any]] | None = None
+                 ) -> dict[str, Any]:
+    """results.json's content: provenance, the setting, the environment, every row, the comparisons, the floors
+    and the throughput against them. ``logit_bound`` and ``floors``: per gateway path."""
     return {
         "metadata": {**meta, "sweep": "chat"},
         "setting": asdict(setting),
@@ -536,11 +693,13 @@ def chat_results(setting: ChatBenchSetting, rows: Sequence[Mapping[str, Any]], *
             name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS")},
             "note": "stub, serve-llm, gateway and clients are separate processes on this one machine"},
         "gateway": {"mechanism": "cape", "epsilon_per_token": setting.epsilon, "logit_bound": logit_bound,
-                    "device_model": "smollm2"},
+                    "device_model": "smollm2", "paths": setting.gateways},
         "commands": dict(commands or {}),
         "prompts": list(prompts),
         "rows": [dict(r) for r in rows],
         "comparisons": comparisons(rows),
+        "floors": dict(floors or {}),
+        "throughput": throughput(rows, floors or {}),
     }
 
 
@@ -549,6 +708,10 @@ def write_chat_report(out_dir: Path, payload: Mapping[str, Any]) -> list[Path]:
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
     (out_dir / "results.md").write_text(chat_markdown(payload))
     return [out_dir / "results.json", out_dir / "results.md"]
+
+
+def _loads(values: Sequence[float]) -> str:
+    return "/".join(f"{value:.2f}" for value in values)
 
 
 def _ms(value: float | None) -> str:
@@ -560,6 +723,40 @@ def _stat(row: Mapping[str, Any], metric: str, stat: str) -> str:
     return "-" if figures is None else f"{figures[stat]:.1f}"
 
 
+def _throughput_lines(payload: Mapping[str, Any]) -> list[str]:
+    """The gateway's throughput against the floor (stub upstream), and its added latency, per path and mode."""
+    summary, floors = payload.get("throughput") or [], payload.get("floors") or {}
+    if not summary:
+        return []
+    first: Mapping[str, Any] = next(iter(floors.values()), {})
+    counts = sorted({int(n) for t in summary for n in t["requests_per_s"]})
+    lines = ["## Throughput against the floor (stub upstream)", "",
+             f"The floor: the device model's own throughput through Cape on batches of {FLOOR_BATCH} of these prompts "
+             "(one `PromptPrivacy.privatize_many` call per batch, as the gateway runs a batch), measured in this "
+             "process while the gateways were idle: "
+             + "; ".join(first.get("measured", []))
+             + " (every timing pooled); beside it, the same prompts one at a time.", "",
+             f"| path | floor: a batch of {FLOOR_BATCH}, s (median) | floor, requests/s | one at a time, requests/s "
+             "| batch speed-up |",
+             "|---|---|---|---|---|"]
+    for path, floor in floors.items():
+        lines.append(f"| {path} | {floor['median_batch_s']:.3f} (of {len(floor['batch_s'])}: "
+                     f"{min(floor['batch_s']):.3f} to {max(floor['batch_s']):.3f}) | {floor['requests_per_s']:.2f} | "
+                     f"{floor['single_requests_per_s']:.2f} | {floor['batch_speedup']:.2f} |")
+    lines += ["", f"| path | mode | {' | '.join(f'{n} clients, requests/s' for n in counts)} | "
+                  f"{FLOOR_BATCH} clients / floor | {' | '.join(f'added p50 / p99 at {n}, ms' for n in counts)} |",
+              "|---" * (3 + 2 * len(counts)) + "|"]
+    for t in summary:
+        rates = " | ".join(f"{t['requests_per_s'][str(n)]:.2f}" if str(n) in t["requests_per_s"] else "-"
+                           for n in counts)
+        ratio = "-" if t["ratio_to_floor"] is None else f"{t['ratio_to_floor']:.2f}"
+        added_ms = t["added_latency_ms"]
+        latency = " | ".join(f"{_ms(added_ms[str(n)]['p50'])} / {_ms(added_ms[str(n)]['p99'])}"
+                             if str(n) in added_ms else "-" for n in counts)
+        lines.append(f"| {t['path']} | {t['mode']} | {rates} | {ratio} | {latency} |")
+    return [*lines, ""]
+
+
 def chat_markdown(payload: Mapping[str, Any]) -> str:
     """results.md: the gateway's added latency and TTFT, throughput side by side, then every row."""
     meta, setting = payload["metadata"], payload["setting"]
@@ -568,16 +765,27 @@ def chat_markdown(payload: Mapping[str, Any]) -> str:
              f"- command: `{meta.get('command')}`", f"- git commit: `{meta.get('git_commit')}`",
              f"- machine: {machine.get('cpu_count')} CPUs, torch threads {machine.get('torch_threads')}, "
              f"{machine.get('platform')}; thread variables {payload['environment']['thread_variables']}",
+             *([f"- load average (1, 5, 15 min) at the start {_loads(load['start'])} (other work on this machine), at "
+                f"the end {_loads(load['end'])} (the run's own processes too)"]
+               if (load := payload["environment"].get("load_average")) else []),
              f"- seed {meta.get('seed')}; Cape on SmolLM2 at epsilon {setting['epsilon']:g} per token; "
-             f"{setting['requests_per_client']} requests per client after {setting['warmup_requests']} warm-up "
+             f"{setting['requests_per_client']} requests per client"
+             + (f" ({setting['llm_requests_per_client']} against serve-llm)"
+                if setting.get("llm_requests_per_client") else "")
+             + f" after {setting['warmup_requests']} warm-up "
              f"requests; max_tokens {setting['max_tokens']} (serve-llm, greedy); the stub streams "
-             f"{setting['stub_chunks']} content chunks", ""]
+             f"{setting['stub_chunks']} content chunks",
+             f"- paths: `direct` (the upstream itself), `{GATEWAY}` (`privlm gateway`, fp32 device model)"
+             + (f", `{GATEWAY_INT8}` (`--device-model-int8`, B calibrated on the int8 model)"
+                if setting.get("int8", False) else ""), ""]
+    lines += _throughput_lines(payload)
     lines += ["## Added by the gateway (gateway minus direct, ms)", "",
-              "| upstream | mode | clients | latency p50 | latency p99 | TTFT p50 | TTFT p99 | throughput "
-              "fraction |", "|---|---|---|---|---|---|---|---|"]
+              "| upstream | mode | clients | path | latency p50 | latency p99 | TTFT p50 | TTFT p99 | throughput "
+              "fraction |", "|---|---|---|---|---|---|---|---|---|"]
     for c in payload["comparisons"]:
         fraction = "-" if c["throughput_fraction"] is None else f"{c['throughput_fraction']:.2f}"
-        lines.append(f"| {c['upstream']} | {c['mode']} | {c['clients']} | {_ms(c['added_latency_p50_ms'])} | "
+        lines.append(f"| {c['upstream']} | {c['mode']} | {c['clients']} | {c.get('path', GATEWAY)} | "
+                     f"{_ms(c['added_latency_p50_ms'])} | "
                      f"{_ms(c['added_latency_p99_ms'])} | {_ms(c['added_ttft_p50_ms'])} | "
                      f"{_ms(c['added_ttft_p99_ms'])} | {fraction} |")
     lines += ["", "## Every run", "",

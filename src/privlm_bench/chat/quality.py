@@ -6,15 +6,21 @@ marked, split by template. Nothing is chosen on the test split: cape-public's fr
 on ``n_select`` training prompts (:func:`select_public`), and the run says whether the shipped defaults are them.
 
 Every answer comes from ``privlm serve-llm`` (SmolLM2, greedy, ``max_tokens``). A mechanism's prompts reach it
-through a real ``privlm gateway --mechanism NAME --extract`` (one gateway per mechanism, each request at its own
-epsilon, the report in the body): the answer to the released prompt is the upstream's
-(``privlm_upstream_content``), the extracted one the gateway's local rewrite. Per (mechanism, epsilon), over
-``n_test`` test prompts:
+through a real ``privlm gateway --mechanism NAME --restore --chat-memory off`` (one gateway per mechanism, each
+request at its own epsilon, the report in the body; no memory, so that each epsilon draws its own release of the
+same prompt): the answer to the released prompt is the upstream's (``privlm.restore.upstream_content``), the
+restored one the gateway's ``content``. The gateway skips restore under ``--extract``, so the extraction runs here,
+on the same device model, by the same call the gateway's ``--extract`` makes
+(``AnswerExtractor.extract(prompt, upstream answer, limit=max_tokens)``: the request's ``max_tokens`` is the
+gateway's limit), so ``extracted_similarity`` means what it meant when the gateway extracted. Per (mechanism,
+epsilon), over ``n_test`` test prompts:
 
 Utility
 - ``answer_similarity``: MiniLM cosine between the answer to the released prompt and the answer to the original
-  (serve-llm, directly); ``extracted_similarity``: the same after the gateway's extraction. The floor is the
-  answer to an unrelated prompt (the next test prompt's), the ceiling 1 (greedy: the original's answer again);
+  (serve-llm, directly); ``restored_similarity``: the same after the gateway's restore (``restored``: replacements
+  written back per prompt; ``restore_gain_se``: the standard error of the per-prompt difference, a paired one);
+  ``extracted_similarity``: the same after the extraction. The floor is the answer to an unrelated prompt (the
+  next test prompt's), the ceiling 1 (greedy: the original's answer again);
 - ``released_perplexity``: the device model's perplexity of the released prompt (median over prompts);
 - ``classifier_auc``: on ``n_tweets`` tweets, as ``privlm bench cape`` measures it (MiniLM + logistic
   regression trained on clean tweets, applied to the released ones).
@@ -37,7 +43,8 @@ a weaker attack than the others get), and KNN does not apply.
 Controls: ``original`` (the prompt as it is: spans all verbatim) and ``placeholders`` (every marked span replaced
 by ``[KIND]``, as a PII redactor does; sent to serve-llm directly, extracted in this process by the same
 extractor). The placeholder control has an oracle detector here: it leaks nothing because it misses nothing; a
-real detector leaks what it misses.
+real detector leaks what it misses. Their restore columns are NaN: they pass through no gateway, and no
+mechanism's report maps their text back (writing the spans back over ``[KIND]`` would be the oracle again).
 """
 
 from __future__ import annotations
@@ -181,6 +188,32 @@ def mean_and_error(values: Sequence[float]) -> tuple[float, float]:
     return float(array.mean()), error
 
 
+@dataclass(frozen=True)
+class Restored:
+    """Per prompt: the restored answer's similarity, the replacements restored, and those restorable."""
+
+    similarities: Sequence[float]
+    restorations: Sequence[int]
+    replacements: Sequence[int]
+
+
+RESTORE_COLUMNS = ("restored_similarity", "restored_similarity_se", "restore_gain_se", "restored",
+                   "restore_replacements")
+
+
+def restore_measures(answered: Sequence[float], restored: Restored | None) -> dict[str, float]:
+    """The restore columns: the restored answers' similarity (and its error), the standard error of the per-prompt
+    difference to the answers' (paired: one upstream answer, restored or not), and the mean replacements restored
+    and restorable per prompt; all NaN without restore."""
+    if restored is None:
+        return dict.fromkeys(RESTORE_COLUMNS, math.nan)
+    mean, error = mean_and_error(restored.similarities)
+    _, gain_error = mean_and_error([r - a for a, r in zip(answered, restored.similarities, strict=True)])
+    return {"restored_similarity": mean, "restored_similarity_se": error, "restore_gain_se": gain_error,
+            "restored": float(np.mean(restored.restorations)),
+            "restore_replacements": float(np.mean(restored.replacements))}
+
+
 # --------------------------------------------------------------------------------------------- the upstream
 @dataclass
 class Upstream:
@@ -201,15 +234,23 @@ class Upstream:
         return str(response.json()["choices"][0]["message"]["content"])
 
     def private(self, gateway_url: str, text: str, epsilon: float) -> dict[str, Any]:
-        """One request through a gateway at ``epsilon``: sent text, upstream answer, extracted answer, spend."""
+        """One request through a gateway at ``epsilon``: sent text, upstream answer, restored answer, spend."""
         response = self.http.post(f"{gateway_url}/v1/chat/completions",
                                   json=self.body(text, privlm={"epsilon": epsilon, "report": True}))
         if response.status_code != 200:
             raise RuntimeError(f"the gateway answered {response.status_code}: {response.text[:500]}")
         body = response.json()
         message, report = body["choices"][0]["message"], body["privlm"]
-        return {"sent": report["texts"][0]["sent"], "answer": message["privlm_upstream_content"],
-                "extracted": message["content"], "spent": float(report["epsilon_spent"]),
+        restore = report.get("restore")
+        if not isinstance(restore, dict) or "upstream_content" not in restore:
+            raise RuntimeError("the gateway's report has no restore: it must run with --restore, without --extract")
+        if report["texts_remembered"]:  # a repeat sent as released before: not a draw at this epsilon
+            raise RuntimeError("the gateway sent a remembered release: it must run with --chat-memory off")
+        restored = str(message["content"])
+        upstream = restore["upstream_content"][0]
+        return {"sent": report["texts"][0]["sent"], "answer": restored if upstream is None else str(upstream),
+                "restored_answer": restored, "restored": int(restore["restored"]),
+                "replacements": int(restore["replacements"]), "spent": float(report["epsilon_spent"]),
                 "perturbed": int(report["tokens_perturbed"]), "epsilon": float(report["epsilon"])}
 
 
@@ -277,11 +318,18 @@ class QualityBench:
         return float(torch.nn.functional.cross_entropy(logits, rows[0, 1:]).exp()) if ids else math.nan
 
     def text_measures(self, prompts: Sequence[QualityPrompt], sent: Sequence[str], answers: Sequence[str],
-                      extracted: Sequence[str] | None) -> dict[str, float]:
+                      extracted: Sequence[str] | None, restore: Sequence[dict[str, Any]] | None = None
+                      ) -> dict[str, float]:
+        """``restore``: per prompt, the gateway's call (:meth:`Upstream.private`); None: no restore (NaN)."""
         leaked = [[verbatim(s, text) for s in p.spans] for p, text in zip(prompts, sent, strict=True)]
-        similarity = mean_and_error(self.similarities(prompts, answers))
+        each = self.similarities(prompts, answers)
+        similarity = mean_and_error(each)
         extraction = mean_and_error(self.similarities(prompts, extracted)) if extracted else (math.nan, math.nan)
+        restored = None if restore is None else Restored(
+            self.similarities(prompts, [c["restored_answer"] for c in restore]),
+            [c["restored"] for c in restore], [c["replacements"] for c in restore])
         return {"answer_similarity": similarity[0], "answer_similarity_se": similarity[1],
+                **restore_measures(each, restored),
                 "extracted_similarity": extraction[0], "extracted_similarity_se": extraction[1],
                 "span_verbatim": float(np.mean([x for row in leaked for x in row])),
                 "spans": float(sum(len(row) for row in leaked)),
@@ -335,17 +383,23 @@ class QualityBench:
         prompts = self.test
         sent = [with_placeholders(p) for p in prompts]
         answers = [upstream.answer(t) for t in sent]
-        extracted = [self.extractor.extract(p.text, a) for p, a in zip(prompts, answers, strict=True)]
         return {"method": PLACEHOLDERS, "epsilon": math.inf, "spend_per_prompt": 0.0,
-                **self.text_measures(prompts, sent, answers, extracted)}
+                **self.text_measures(prompts, sent, answers, self.extract(prompts, answers))}
+
+    def extract(self, prompts: Sequence[QualityPrompt], answers: Sequence[str]) -> list[str]:
+        """Each answer rewritten for its original prompt: the call the gateway's ``--extract`` makes (the user's
+        prompt, the upstream's answer, the request's ``max_tokens`` as the limit)."""
+        limit = self.setting.max_tokens
+        return [self.extractor.extract(p.text, a, limit=limit) for p, a in zip(prompts, answers, strict=True)]
 
     def point_row(self, upstream: Upstream, gateway_url: str, mechanism: str, epsilon: float) -> dict[str, Any]:
         chosen = text_mechanism(mechanism)
         prompts, started = self.test, time.perf_counter()
         calls = [upstream.private(gateway_url, p.text, epsilon) for p in prompts]
         gateway_seconds = time.perf_counter() - started
-        row = self.text_measures(prompts, [c["sent"] for c in calls], [c["answer"] for c in calls],
-                                 [c["extracted"] for c in calls])
+        answers = [c["answer"] for c in calls]
+        extracted = self.extract(prompts, answers)
+        row = self.text_measures(prompts, [c["sent"] for c in calls], answers, extracted, calls)
         spend = [c["spent"] for c in calls]
         exact = all(math.isclose(c["spent"], c["perturbed"] * epsilon, rel_tol=1e-9, abs_tol=1e-12) for c in calls)
         perturber = chosen.build(self.context, epsilon=epsilon, generator=self.generator(mechanism, epsilon))
@@ -359,7 +413,8 @@ class QualityBench:
                 "spend_is_perturbed_times_epsilon": exact, "unit": str(chosen.unit),
                 "seconds": time.perf_counter() - started, "gateway_seconds": gateway_seconds,
                 "examples": [{"original": p.text, "sent": c["sent"], "answer": c["answer"],
-                              "extracted": c["extracted"]} for p, c in zip(prompts[:2], calls[:2], strict=True)]}
+                              "restored": c["restored_answer"], "extracted": x}
+                             for p, c, x in zip(prompts[:2], calls[:2], extracted[:2], strict=True)]}
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -394,8 +449,10 @@ def select_public(bench: QualityBench, upstream: Upstream) -> dict[str, Any]:
 @contextmanager
 def _gateway(bench: QualityBench, upstream_url: str, mechanism: str, epsilon: float) -> Iterator[str]:
     port = free_port()
+    # --chat-memory off: a prompt sent again at another epsilon is drawn again, not sent as first released
     args = ["gateway", "--chat-upstream", upstream_url, "--mechanism", mechanism, "--epsilon", f"{epsilon!r}",
-            "--extract", "--port", str(port), "--max-in-flight", "4"]
+            "--device-model", bench.setting.device_model, "--restore", "--chat-memory", "off", "--port", str(port),
+            "--max-in-flight", "4"]
     if text_mechanism(mechanism).needs_logit_bound:
         args += ["--logit-bound", str(bench.bound_path)]
     with running(args, f"http://127.0.0.1:{port}/health"):
@@ -411,14 +468,26 @@ def _partial(path: Path, key: str) -> dict[tuple[str, float], dict[str, Any]]:
 
 def _finished(out_dir: Path, setting: QualitySetting) -> dict[tuple[str, float], dict[str, Any]]:
     """The rows a resumed run keeps: those of ``results.json`` when it was run with the same settings (but perhaps
-    other points), then those of ``partial.jsonl`` (a run cut short); the original prompt's row is always redone."""
-    done: dict[tuple[str, float], dict[str, Any]] = {}
+    other points), then those of ``partial.jsonl`` (a run cut short); the original prompt's row is always redone,
+    and so is a row of an older run that lacks a column rows have now (:data:`RESTORE_COLUMNS`)."""
+    payload = _saved(out_dir, setting)
+    done = {} if payload is None else {(r["method"], float(r["epsilon"])): r for r in payload["rows"]
+                                       if r["method"] != ORIGINAL}
+    return _current(done) | _current(_partial(out_dir / "partial.jsonl", setting.key()))
+
+
+def _saved(out_dir: Path, setting: QualitySetting) -> dict[str, Any] | None:
+    """``results.json`` when it was run with the same settings (perhaps other points); else None."""
     results = out_dir / "results.json"
-    if results.exists():
-        payload: Any = from_json(json.loads(results.read_text()))
-        if QualitySetting(**_setting_fields(payload["setting"])).key() == setting.key():
-            done = {(r["method"], float(r["epsilon"])): r for r in payload["rows"] if r["method"] != ORIGINAL}
-    return done | _partial(out_dir / "partial.jsonl", setting.key())
+    if not results.exists():
+        return None
+    payload: Any = from_json(json.loads(results.read_text()))
+    return payload if QualitySetting(**_setting_fields(payload["setting"])).key() == setting.key() else None
+
+
+def _current(rows: dict[tuple[str, float], dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
+    """The rows that have every column a row has now."""
+    return {point: row for point, row in rows.items() if all(column in row for column in RESTORE_COLUMNS)}
 
 
 def _setting_fields(saved: dict[str, Any]) -> dict[str, Any]:
@@ -448,6 +517,8 @@ def _run(setting: QualitySetting, out_dir: Path, work: Path, console: Console, *
     out_dir.mkdir(parents=True, exist_ok=True)
     partial_path = out_dir / "partial.jsonl"
     done = _finished(out_dir, setting) if resume else {}
+    # the choice is a function of the settings and the training prompts (seeded draws, greedy answers): kept
+    kept_selection = (_saved(out_dir, setting) or {}).get("selection") if resume and not select_only else None
     partial_path.unlink(missing_ok=True)
     for row in done.values():  # rewritten whole, so that a resumed run cut short loses nothing it kept
         _keep(partial_path, setting, row)
@@ -459,8 +530,12 @@ def _run(setting: QualitySetting, out_dir: Path, work: Path, console: Console, *
         upstream = Upstream(llm_url, _first_model(llm_url), setting.max_tokens)
         log(f"answers to {len(bench.test)} original test prompts")
         bench.answer_references(upstream, bench.test)
-        log(f"choosing cape-public's tau and top-p on {len(bench.select)} training prompts")
-        selection = select_public(bench, upstream)
+        if kept_selection is not None:
+            log("cape-public's tau and top-p: kept from the run resumed (same settings)")
+            selection = kept_selection
+        else:
+            log(f"choosing cape-public's tau and top-p on {len(bench.select)} training prompts")
+            selection = select_public(bench, upstream)
         if select_only:
             path = out_dir / "selection.json"
             path.write_text(json.dumps({"metadata": meta | {"sweep": NAME}, "setting": asdict(setting),
@@ -488,7 +563,8 @@ def _run(setting: QualitySetting, out_dir: Path, work: Path, console: Console, *
             with _gateway(bench, llm_url, mechanism, max(todo)) as gateway_url:
                 for epsilon in todo:
                     row = _keep(partial_path, setting, bench.point_row(upstream, gateway_url, mechanism, epsilon))
-                    log(f"{mechanism} eps {epsilon:g}: similarity {row['answer_similarity']:.3f}, verbatim "
+                    log(f"{mechanism} eps {epsilon:g}: similarity {row['answer_similarity']:.3f} (restored "
+                        f"{row['restored_similarity']:.3f}, {row['restored']:.1f} per prompt), verbatim "
                         f"{row['span_verbatim']:.3f}, LM top-1 {row['lm_top1']:.3f}, AUC {row['classifier_auc']:.3f}"
                         f", spend {row['spend_per_prompt']:.1f} ({row['seconds']:.0f} s)")
                     rows.append(row)

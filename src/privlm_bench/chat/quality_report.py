@@ -14,9 +14,14 @@ Verdicts, each computed from the rows:
     standard errors (the largest of each curve); for AUC, Hanley and McNeil's.
 (3) cape-public's spend (and cape-public-fast's): every request's reported spend is exactly (perturbed tokens) x
     epsilon.
-(4) The extraction: whether the gateway's ``--extract`` moves answers closer to the original's, per mechanism.
+(4) The extraction: whether InferDPT's extraction (the gateway's ``--extract``, run by the bench with the same
+    call) moves answers closer to the original's, per mechanism.
 (5) cape-public-fast (two rounds, two forward passes) against cape-public (one decode step per perturbed token):
     what the speed costs in answer similarity at matched attack success, read as (2).
+(6) Restore: the gateway's ``--restore`` against the same upstream answer unrestored, per point and at the best
+    private point: the mean per-prompt difference in answer similarity, and its margin, Z times the standard error
+    of the per-prompt differences (paired: both sides are one upstream answer, so its noise cancels; the unpaired
+    margin of two points, :func:`_pair_margin`, would count it twice over).
 """
 
 from __future__ import annotations
@@ -224,6 +229,32 @@ def _best_lines(rows: Sequence[Row]) -> list[str]:
     return [" ".join(lines), ""]
 
 
+def restore_gain(row: Row) -> tuple[float, float]:
+    """Restore's change in answer similarity at one point, and its paired noise margin (NaN: not measured)."""
+    return _n(row, "restored_similarity") - _n(row, "answer_similarity"), Z * _n(row, "restore_gain_se")
+
+
+def _gain_words(gain: float, margin: float) -> str:
+    beyond = math.isfinite(margin) and abs(gain) > margin
+    return f"{gain:+.3f} (margin {_f(margin)}: {'beyond' if beyond else 'within'} the margin)"
+
+
+def restore_lines(rows: Sequence[Row]) -> list[str]:
+    """Verdict (6): at the best private point in a sentence, then every private point."""
+    measured = [r for r in _private(rows) if all(math.isfinite(x) for x in restore_gain(r))]
+    if not measured:
+        return ["**(6) Restore (--restore), change in answer similarity:** not measured."]
+    best = best_private(rows)
+    head = ("no best private point this run" if best is None or best not in measured else
+            f"at the best private point ({label(best['method'])} eps {best['epsilon']:g}) "
+            f"{_gain_words(*restore_gain(best))}, {_f(_n(best, 'restored'), 1)} replacements restored per prompt "
+            f"(answer similarity {_f(_n(best, 'answer_similarity'))}, restored {_f(_n(best, 'restored_similarity'))})")
+    each = "; ".join(f"{label(r['method'])} eps {r['epsilon']:g}: {_gain_words(*restore_gain(r))}, "
+                     f"{_f(_n(r, 'restored'), 1)} restored" for r in measured)
+    return [f"**(6) Restore (--restore), change in answer similarity** (restored answer minus the same upstream "
+            f"answer, per prompt; margin {Z} times the paired standard error): {head}. Per point: {each}."]
+
+
 def spend_verdict(rows: Sequence[Row]) -> str:
     ours = [r for r in rows if r["method"] in EXACT_SPEND]
     if not ours:
@@ -246,7 +277,8 @@ COLUMNS = (("spend_per_prompt", "spend / prompt", 1), ("span_verbatim", "spans v
            ("prompts_leaking", "prompts leaking", 3), ("lm_top1", "LM top-1", 3),
            ("lm_top1_ci_high", "its 95% upper", 3), ("lm_top10", "LM top-10", 3),
            ("knn_success", "KNN top-10", 3), ("answer_similarity", "answer sim.", 3),
-           ("answer_similarity_se", "± se", 3), ("extracted_similarity", "extracted sim.", 3),
+           ("answer_similarity_se", "± se", 3), ("restored_similarity", "restored sim.", 3),
+           ("restored", "restored / prompt", 1), ("extracted_similarity", "extracted sim.", 3),
            ("released_perplexity", "perplexity", 1), ("classifier_auc", "tweets AUC", 3))
 
 
@@ -287,7 +319,8 @@ def quality_markdown(payload: Mapping[str, Any]) -> str:
         f"`{meta.get('command')}` at {str(meta.get('git_commit'))[:12]}, seed {meta.get('seed')}, "
         f"{meta.get('seconds', math.nan) / 60:.0f} min. {payload['prompts']['test']} test prompts (split by template), "
         f"answers by `privlm serve-llm` (SmolLM2, greedy, {s['max_tokens']} tokens) through `privlm gateway "
-        f"--extract`; tweets AUC on {s['n_tweets']} tweets. Logit bound B = {payload['logit_bound']['value']:.3f} "
+        "--restore --chat-memory off` (the extraction: the call `--extract` makes, run by the bench on the same "
+        f"device model); tweets AUC on {s['n_tweets']} tweets. Logit bound B = {payload['logit_bound']['value']:.3f} "
         "(public prompts). Spend is each mechanism's sound per-prompt total, in its own unit (Text2Text's and the "
         "SANTEXT/InferDPT metric mechanisms' are not epsilons of the same kind): compare at matched attack success.",
         "",
@@ -312,33 +345,40 @@ def quality_markdown(payload: Mapping[str, Any]) -> str:
         "gateway sent.", "",
         f"**(3) The spend of {label(OURS)} and {label(FAST)} is exactly (perturbed tokens) x epsilon on every "
         f"request: {spend_verdict(rows)}.**", "",
-        "**(4) The gateway's extraction (--extract), change in answer similarity:** "
+        "**(4) The extraction (--extract), change in answer similarity:** "
         + "; ".join(extraction_lines(rows)) + ".", "",
         f"The placeholder control: {_f(_n(control, 'answer_similarity'))} answer similarity, "
         f"{_f(_n(control, 'extracted_similarity'))} after extraction.", "",
         f"**(5) {label(FAST)} (two forward passes) against {label(OURS)} (a decode step per perturbed token), at "
         "matched attack success:**", "", *comparison_lines(rows, FAST, (OURS,)), "", fast_cost_line(rows), "",
+        *restore_lines(rows), "",
         "## cape-public's tau and top-p", "", *selection_lines(payload["selection"]), "",
         "## Examples", "",
     ]
     for r in _private(rows):
         for example in r.get("examples", [])[:1]:
             lines += [f"- {label(r['method'])}, eps {r['epsilon']:g}: sent {example['sent']!r}"]
-    lines += ["", "Plots: `similarity_vs_attack.png`, `verbatim_vs_similarity.png`, `auc_vs_attack.png`."]
+    lines += ["", "Plots: `similarity_vs_attack.png` (dashed: the restored answers), `verbatim_vs_similarity.png`, "
+              "`auc_vs_attack.png`."]
     return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------- plots
 def _plot(rows: Sequence[Row], x: str, y: str, xlabel: str, ylabel: str, path: Path, title: str,
-          lines: Mapping[str, float] | None = None) -> Path:
+          lines: Mapping[str, float] | None = None, dashed: str | None = None) -> Path:
+    """One curve of ``y`` against ``x`` per method; ``dashed``: a second column, dashed in the method's colour."""
     fig = Figure(figsize=(8, 5.5))
     ax = fig.subplots()
     for method in dict.fromkeys(str(r["method"]) for r in rows):
-        points = sorted((_n(r, x), _n(r, y)) for r in rows if r["method"] == method)
-        points = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", markersize=4, label=label(method))
+        colour = None
+        for column, style in ((y, "-"), *(((dashed, "--"),) if dashed else ())):
+            points = sorted((_n(r, x), _n(r, column)) for r in rows if r["method"] == method)
+            points = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                drawn = ax.plot(xs, ys, marker="o", markersize=4 if style == "-" else 2, linestyle=style,
+                                color=colour, label=label(method) if style == "-" else None)
+                colour = drawn[0].get_color()
     for name, value in (lines or {}).items():
         if math.isfinite(value):
             ax.axhline(value, linestyle="--", color="gray", linewidth=1)
@@ -361,7 +401,8 @@ def write_plots(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
     return [
         _plot(rows, ATTACK, "answer_similarity", "LM reconstruction top-1, personal-span tokens (lower: more private)",
               "answer similarity (MiniLM cosine to the original's answer)", out_dir / "similarity_vs_attack.png",
-              "chat-quality: answer similarity at matched attack success", floor),
+              "chat-quality: answer similarity at matched attack success (dashed: restored)", floor,
+              dashed="restored_similarity"),
         _plot(rows, "span_verbatim", "answer_similarity", "share of personal spans sent verbatim",
               "answer similarity", out_dir / "verbatim_vs_similarity.png",
               "chat-quality: spans verbatim against answer similarity", floor),

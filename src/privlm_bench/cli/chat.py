@@ -16,21 +16,29 @@ from privlm_bench.cli.app import bench_app
 def bench_chat(
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/chat"),
     requests_per_client: Annotated[int, typer.Option(help="Requests each client sends in turn, per run.")] = 8,
+    llm_requests_per_client: Annotated[int | None, typer.Option(help="Against serve-llm, when fewer (default: "
+                                                                     "--requests-per-client).")] = None,
     clients: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent clients.")] = "1,8,32",
     max_tokens: Annotated[int, typer.Option(help="Tokens serve-llm generates per answer (greedy).")] = 16,
     epsilon: Annotated[float, typer.Option(help="The gateway's Cape epsilon per token.")] = 6.0,
     seed: Annotated[int, typer.Option(help="Fixes which prompt each request carries.")] = 0,
     skip_llm: Annotated[bool, typer.Option("--skip-llm", help="Measure the stub upstream only, not "
                                                               "`privlm serve-llm`.")] = False,
+    int8: Annotated[bool, typer.Option("--int8/--no-int8", help="Also a gateway with --device-model-int8.")] = True,
+    floor_batches: Annotated[int, typer.Option(help="Timed batches of the floor (the device model's own batched "
+                                                    "throughput), after one warm-up.")] = 4,
 ) -> None:
     """Latency p50/p99, time to first token and requests/s at 1, 8 and 32 clients, directly and through
-    `privlm gateway` (Cape), in front of a stub upstream that answers at once and of `privlm serve-llm`."""
+    `privlm gateway` (Cape; fp32 and int8 device models), in front of a stub upstream that answers at once and of
+    `privlm serve-llm`; and the floor, the device model's own throughput on batches of 8 prompts."""
     from privlm_bench.chat.load import ChatBenchSetting, run_chat_bench
 
     counts = parse_counts(clients, minimum=1, flag="--clients")
     try:
         setting = ChatBenchSetting(requests_per_client=requests_per_client, clients=counts,
-                                   max_tokens=max_tokens, epsilon=epsilon, seed=seed, skip_llm=skip_llm)
+                                   max_tokens=max_tokens, epsilon=epsilon, seed=seed, skip_llm=skip_llm,
+                                   int8=int8, floor_batches=floor_batches,
+                                   llm_requests_per_client=llm_requests_per_client)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     files = run_chat_bench(setting, out, console)
@@ -74,7 +82,7 @@ def bench_chat_quality(
                                                                     "training prompts (OUT/selection.json).")] = False,
 ) -> None:
     """Answer quality against personal-detail leakage for every registered mechanism, through the real gateway to
-    `privlm serve-llm`: answer similarity (with and without --extract), perplexity, tweets AUC, spans verbatim, LM
+    `privlm serve-llm`: answer similarity (as answered, restored, extracted), perplexity, tweets AUC, spans verbatim, LM
     reconstruction and KNN, a placeholder control, and verdicts."""
     from privlm_bench.chat.quality import DEFAULT_POINTS, QualitySetting, parse_points, run_quality_bench
 

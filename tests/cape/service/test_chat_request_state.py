@@ -2,7 +2,8 @@
 caller's own principal; concurrent callers share nothing else.
 
 A spy factory records what the gateway hands it per request: the generator (object, initial seed and state, taken
-before any draw), the principal, and the texts the mechanism then sees.
+before any draw), the principal, and the texts the mechanism then perturbs (Cape: releases, after a
+preparation that concurrent requests may share).
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class Spy:
             handed.texts.extend(texts)
             return original(texts)
         perturber.perturb_batch = perturb_batch
+        if hasattr(perturber, "release"):  # Cape: concurrent requests share a preparation; each releases its own
+            release = perturber.release
+
+            def released(prepared: Sequence[Any], **options: Any) -> Any:
+                handed.texts.extend(p.tokens.text for p in prepared)
+                return release(prepared, **options)
+            perturber.release = released
         handed.perturber = perturber
         with self.lock:
             self.calls.append(handed)

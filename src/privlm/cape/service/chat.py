@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from privlm.cape.service.extraction import AnswerExtractor, collect_stream
+from privlm.cape.service.memory import ConversationMemory, EarlierRelease, Recalled, release_texts
 from privlm.cape.service.messages import (
     MessageNames,
     NonTextParts,
@@ -38,8 +39,9 @@ from privlm.cape.service.messages import (
     perturbed_fields,
     with_texts,
 )
-from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
-from privlm.service import BearerKeys, FairScheduler, ModelEntry, ServiceError, ServiceOptions, catalog_router
+from privlm.cape.service.privacy import PrivacyBatcher, PrivateTexts, PromptPrivacy
+from privlm.cape.service.restore import Restorer, StreamRestorer
+from privlm.service import BearerKeys, ModelEntry, ServiceError, ServiceOptions, catalog_router
 from privlm.service import create_service_app as _create_service_app
 from privlm.service.audit import AuditLog
 from privlm.service.chat import (
@@ -48,7 +50,9 @@ from privlm.service.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    TextPart,
     completion_id,
+    message_text,
     now,
     sse_event,
 )
@@ -73,6 +77,8 @@ class PrivlmOptions(BaseModel):
     epsilon: float | None = Field(None, gt=0, description="A lower epsilon per token for this request (never higher; "
                                                           "with the x-privlm-epsilon header too, the smaller one).")
     report: bool = Field(False, description="Also put the privacy report in the body (a `privlm` field).")
+    restore: bool | None = Field(None, description="Restore the answer: write the user's own words back where it "
+                                                   "quotes a replacement (default: the gateway's --restore).")
 
 
 class PrivateChatRequest(ChatCompletionRequest):
@@ -85,13 +91,15 @@ class ChatOptions:
     through unchanged the non-text parts of perturbed messages. ``report_in_body``: the ``privlm`` body field
     on every answer (else only when a request asks for it). ``message_names``: the ``name`` of a perturbed
     message is dropped (and reported), perturbed like its text, or refused (400). ``perturb_tool_results``: also
-    tool results and tool-call arguments, JSON-aware (:mod:`privlm.cape.service.messages`)."""
+    tool results and tool-call arguments, JSON-aware (:mod:`privlm.cape.service.messages`). ``restore``: restore
+    answers unless a request says otherwise (:mod:`privlm.cape.service.restore`)."""
 
     perturb_system: bool = False
     non_text_parts: NonTextParts = "refuse"
     report_in_body: bool = False
     message_names: MessageNames = "drop"
     perturb_tool_results: bool = False
+    restore: bool = False
 
 
 def _header(description: str) -> dict[str, object]:
@@ -112,7 +120,42 @@ PRIVACY_HEADERS = {
     "x-privlm-fields-dropped": _header("When fields were removed before forwarding (a perturbed message's name): "
                                        "their paths, comma-separated."),
     "x-privlm-budget-remaining": _header("With a ledger: the caller's budget left."),
+    "x-privlm-texts-remembered": _header("With conversation memory: texts sent as they were released before "
+                                         "(charged nothing)."),
+    "x-privlm-restored": _header("With restore, a whole answer: the replacements written back."),
+    "x-privlm-restore-hold-chars": _header("With restore: the most characters a stream holds back (the longest "
+                                           "replacement)."),
 }
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a request sends in place of its perturbed texts: ``recalled``
+    (:func:`privlm.cape.service.memory.release_texts`) at the ``slots`` of ``originals``; the fields ``dropped``."""
+
+    recalled: Recalled
+    slots: list[TextSlot]
+    originals: list[str]
+    dropped: list[str]
+
+    @property
+    def result(self) -> PrivateTexts:
+        return self.recalled.result
+
+    @property
+    def remembered(self) -> list[bool]:
+        return self.recalled.remembered
+
+    @property
+    def new(self) -> list[tuple[str, EarlierRelease]]:
+        return self.recalled.new
+
+    def restorer(self, unperturbed: Sequence[str] = ()) -> Restorer:
+        """The restorer of this release's replacements; ``unperturbed``: the request's other texts, which the
+        upstream also saw (a replacement that occurs there too is not restored)."""
+        pairs = [(span.released, span.original_in(original))
+                 for original, spans in zip(self.originals, self.recalled.spans, strict=True) for span in spans]
+        return Restorer.of(pairs, [*self.result.texts, *unperturbed])
 
 
 def privacy_headers(result: PrivateTexts, request_id: str, dropped: Sequence[str] = ()) -> dict[str, str]:
@@ -129,12 +172,14 @@ def privacy_headers(result: PrivateTexts, request_id: str, dropped: Sequence[str
 
 
 def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str,
-                   dropped: Sequence[str] = ()) -> dict[str, Any]:
-    """The body's ``privlm`` field: the numbers of the headers, each text as it was sent, the fields dropped."""
+                   dropped: Sequence[str] = (), remembered: Sequence[bool] = ()) -> dict[str, Any]:
+    """The body's ``privlm`` field: the numbers of the headers, each text as it was sent (and whether it was
+    released before: ``remembered``), the fields dropped."""
     texts = []
-    for slot, sent, report in zip(slots, result.texts, result.reports, strict=True):
+    again = list(remembered) or [False] * len(slots)
+    for slot, sent, report, before in zip(slots, result.texts, result.reports, again, strict=True):
         texts.append({"message": slot.message, "part": slot.part, "role": slot.role, "field": slot.field,
-                      "path": slot.path,
+                      "path": slot.path, "remembered": before,
                       "sent": slot.placed(sent), "tokens": 0 if report is None else report.n_tokens,
                       "tokens_perturbed": 0 if report is None else report.n_perturbed,
                       "tokens_changed": 0 if report is None else report.n_changed,
@@ -144,29 +189,37 @@ def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: 
             "epsilon_spent": result.spent, "epsilon_paper": result.paper_total, "unit": str(result.unit),
             "tokens": result.tokens, "tokens_perturbed": result.tokens_perturbed,
             "tokens_unchanged": result.tokens_unchanged, "budget_remaining": result.budget_remaining,
-            "duration_ms": round(1e3 * result.seconds, 1),
+            "duration_ms": round(1e3 * result.seconds, 1), "texts_remembered": sum(again),
             "texts": texts, "dropped": list(dropped),
             "guarantee": next((r.guarantee for r in result.reports if r is not None), None)}
 
 
 def audit_record(result: PrivateTexts, slots: Sequence[TextSlot], request_id: str, principal: str,
-                 model: str, stream: bool, dropped: Sequence[str] = ()) -> dict[str, Any]:
+                 model: str, stream: bool, dropped: Sequence[str] = (), remembered: Sequence[bool] = ()
+                 ) -> dict[str, Any]:
     """What the audit log keeps of a release: the perturbed texts and the report, never an original."""
-    report = privacy_report(result, slots, request_id, dropped)
+    report = privacy_report(result, slots, request_id, dropped, remembered)
     return {**report, "principal": principal, "model": model, "stream": stream, "endpoint": "chat.completions"}
 
 
 class _Call:
-    """One request's private state: its id, principal, perturbed texts and options. Nothing outlives it."""
+    """One request's private state: its id, principal, release and options. Nothing outlives it but what
+    conversation memory keeps (never an original)."""
 
-    def __init__(self, request: PrivateChatRequest, principal: str, result: PrivateTexts, slots: list[TextSlot],
-                 report_in_body: bool, dropped: Sequence[str] = ()) -> None:
-        self.request, self.principal, self.result, self.slots = request, principal, result, slots
-        self.dropped = list(dropped)
+    def __init__(self, request: PrivateChatRequest, principal: str, release: Release, *, report_in_body: bool,
+                 restore: bool, memory: ConversationMemory | None = None) -> None:
+        self.request, self.principal, self.release, self.memory = request, principal, release, memory
+        self.result, self.slots, self.dropped = release.result, release.slots, release.dropped
         self.id = f"privlm-{uuid.uuid4().hex[:16]}"
         options = request.privlm
         self.report = report_in_body or bool(options and options.report)
-        self.headers = privacy_headers(result, self.id, self.dropped)
+        self.restorer = release.restorer(_unperturbed_texts(request, release.slots)) if restore else None
+        self.history: list[tuple[TextSlot, str]] = []  # assistant texts sent as the upstream wrote them
+        self.headers = privacy_headers(self.result, self.id, self.dropped)
+        if memory is not None:
+            self.headers["x-privlm-texts-remembered"] = str(sum(release.remembered))
+        if self.restorer is not None:
+            self.headers["x-privlm-restore-hold-chars"] = str(self.restorer.longest)
         self.refund: float | None = None  # what was given back, when the upstream received nothing
 
     def refunded(self, remaining: float | None, *, charged: bool) -> None:
@@ -185,13 +238,50 @@ class _Call:
         return self.headers if self.refund is not None else {**self.headers, "x-should-retry": "false"}
 
     def body(self) -> dict[str, Any]:
-        """The request to forward: the perturbed texts in place, the dropped fields and privlm's field removed,
-        nothing else changed."""
+        """The request to forward: the perturbed texts in place, earlier answers as the upstream wrote them, the
+        dropped fields and privlm's field removed, nothing else changed."""
         sent = self.request.model_dump(mode="json", exclude_unset=True, exclude={"privlm"})
-        return with_texts(sent, self.slots, self.result.texts, self.dropped)
+        sent = with_texts(sent, self.slots, self.result.texts, self.dropped)
+        return with_texts(sent, [slot for slot, _ in self.history], [text for _, text in self.history])
+
+    def earlier_answers(self) -> None:
+        """Without restore (blocking): each assistant text of the history that memory knows as an answer the
+        gateway returned goes up as the upstream wrote it (a request may turn restore off after one that had it
+        on). One it does not know goes as it is, as without memory: keep restore on for a whole conversation."""
+        if self.memory is None:
+            return
+        slots, texts = _assistant_texts(self.request)
+        known = self.memory.releases(self.principal, texts) if texts else []
+        self.history = [(slot, before.text) for slot, text, before in zip(slots, texts, known, strict=True)
+                        if before is not None and before.text != text]
+
+    async def remember_release(self) -> None:
+        """Keep what this request perturbed, now that the upstream has received it (kept before, a concurrent
+        repeat could go up free while this request, never sent, is refunded). A failure only means that a later
+        repeat is released afresh, and charged: it is logged, not raised."""
+        if self.memory is not None and self.release.new:
+            await self._remember(self.release.new)
+
+    async def remember_answers(self, answers: Sequence[tuple[str, str]]) -> None:
+        """Keep each ``(as returned, as the upstream wrote it)`` answer, restored or not, so that it goes back
+        upstream as the upstream wrote it, free, when the client sends it as history."""
+        if self.memory is not None and answers:
+            await self._remember([(returned, EarlierRelease(upstream)) for returned, upstream in answers])
+
+    async def _remember(self, items: list[tuple[str, EarlierRelease]]) -> None:
+        assert self.memory is not None
+        try:
+            await asyncio.to_thread(self.memory.remember_releases, self.principal, items)
+        except Exception as error:
+            logger.warning("request %s: conversation memory could not keep a text (%s)", self.id,
+                           type(error).__name__)
 
     def report_field(self) -> dict[str, Any]:
-        return privacy_report(self.result, self.slots, self.id, self.dropped)
+        report = privacy_report(self.result, self.slots, self.id, self.dropped, self.release.remembered)
+        report["history_rewritten"] = len(self.history)
+        if self.restorer is not None:
+            report["restore"] = {"replacements": len(self.restorer.forward), "hold_chars": self.restorer.longest}
+        return report
 
     def answer_limit(self) -> int | None:
         """The most tokens the request asked for (the smaller of ``max_completion_tokens`` and ``max_tokens``),
@@ -206,42 +296,78 @@ class _Call:
                            for m in self.request.messages if m.role == "user" and m.content)
 
 
+def _unperturbed_texts(request: ChatCompletionRequest, slots: Sequence[TextSlot]) -> list[str]:
+    """The text of every message none of whose texts was perturbed (sent as it is)."""
+    perturbed = {slot.message for slot in slots}
+    return [message_text(m.content) for i, m in enumerate(request.messages) if i not in perturbed]
+
+
+def _assistant_texts(request: ChatCompletionRequest) -> tuple[list[TextSlot], list[str]]:
+    """Every text of the history's assistant messages (a string content, or each text part), with its place."""
+    slots, texts = [], []
+    for i, message in enumerate(request.messages):
+        if message.role != "assistant" or message.content is None:
+            continue
+        if isinstance(message.content, str):
+            slots.append(TextSlot(i, None, "assistant"))
+            texts.append(message.content)
+            continue
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                slots.append(TextSlot(i, j, "assistant"))
+                texts.append(part.text)
+    return slots, texts
+
+
 def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerKeys,
                 options: ChatOptions = ChatOptions(), audit: AuditLog | None = None,
-                extractor: AnswerExtractor | None = None) -> APIRouter:
-    """The private ``POST /v1/chat/completions`` (see the module doc)."""
+                extractor: AnswerExtractor | None = None, memory: ConversationMemory | None = None,
+                batcher: PrivacyBatcher | None = None) -> APIRouter:
+    """The private ``POST /v1/chat/completions`` (see the module doc); ``memory``: conversation memory
+    (:mod:`privlm.cape.service.memory`), None for none; ``batcher``: the device model's batches, shared with the
+    app's other routes that perturb (default: this route's own)."""
     auth = auth.charging(privacy.ledger)  # callers named as the ledger names them, in the audit log too
     router = APIRouter(tags=["chat"])
-    perturbing = FairScheduler(1)  # one forward pass at a time on the device model, callers taking turns
+    perturbing = batcher or privacy.batched()  # concurrent requests share forward passes, callers taking turns
 
-    async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: str | None
-                        ) -> tuple[PrivateTexts, list[TextSlot], list[str]]:
+    async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: str | None, *,
+                        restoring: bool) -> Release:
         epsilon = _request_epsilon(privacy, request, header_epsilon)
-        assistant = extractor is not None
+        # With extraction or restore, an assistant text of the history may hold the user's words: it is perturbed,
+        # unless memory knows it as an answer the gateway returned (then it goes up as the upstream wrote it).
+        assistant = extractor is not None or restoring
         fields = perturbed_fields(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
                                   non_text_parts=options.non_text_parts, message_names=options.message_names,
                                   perturb_tool_results=options.perturb_tool_results)
-        slots, texts = fields.slots, fields.texts
-        privacy.check_lengths(texts)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"
-        async with perturbing.turn(caller):
-            result = await asyncio.to_thread(privacy.privatize, texts, principal=principal, epsilon=epsilon)
-        return result, slots, fields.dropped
+
+        async def perturb(texts: list[str]) -> PrivateTexts:
+            return await perturbing.privatize(texts, principal=principal, epsilon=epsilon, caller=caller)
+
+        recalled = await release_texts(memory, principal, fields.texts, perturb, check=privacy.check_lengths)
+        return Release(recalled, fields.slots, list(fields.texts), list(fields.dropped))
 
     async def chat_completions(request: PrivateChatRequest, principal: str = Depends(auth.dependency),
                                x_privlm_epsilon: str | None = Header(None)) -> Response:
-        result, slots, dropped = await privatize(request, principal, x_privlm_epsilon)
-        call = _Call(request, principal, result, slots, options.report_in_body, dropped)
+        wanted = request.privlm.restore if request.privlm and request.privlm.restore is not None else options.restore
+        restoring = wanted and extractor is None
+        release = await privatize(request, principal, x_privlm_epsilon, restoring=restoring)
+        call = _Call(request, principal, release, report_in_body=options.report_in_body, restore=restoring,
+                     memory=memory)
         try:
             if audit is not None:
                 await asyncio.to_thread(audit.write, "released", audit_record(
-                    result, slots, call.id, principal, request.model, bool(request.stream), dropped))
+                    call.result, call.slots, call.id, principal, request.model, bool(request.stream), call.dropped,
+                    release.remembered))
+            if not restoring and extractor is None:
+                await asyncio.to_thread(call.earlier_answers)
         except Exception as error:  # an unrecorded release is not sent: nothing crossed
             raise await failed_after_release(call, error, nothing_sent=True) from None
         try:
             if request.stream:
                 return await _stream(upstream, call, extractor, audit)
             answer = await upstream.post(UPSTREAM_PATH, call.body())
+            await call.remember_release()
             await asyncio.to_thread(_audit_upstream, audit, call, answer.status)
             return await _complete(answer, call, extractor)
         except Exception as error:  # charged already, whatever failed: see failed_after_release
@@ -305,7 +431,7 @@ async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtrac
     if answer.status >= 500:
         raise upstream_error(answer.status)
     headers = {**answer.headers, **(call.headers if answer.ok else call.failure_headers())}
-    if not answer.ok or not (call.report or extractor is not None):
+    if not answer.ok or not (call.report or extractor is not None or call.restorer is not None):
         return Response(answer.body, status_code=answer.status, headers=headers)
     try:
         body = json.loads(answer.body)
@@ -315,10 +441,56 @@ async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtrac
     if extractor is not None:
         body = await asyncio.to_thread(extractor.rewrite_completion, call.user_prompt(), body,
                                        limit=call.answer_limit())
+    restored = None
+    if call.restorer is not None:
+        restored = _restore_completion(body, call.restorer)
+        headers["x-privlm-restored"] = str(restored)
+        await call.remember_answers(_returned_pairs(body))
     if call.report:
         body["privlm"] = call.report_field()
+        if restored is not None:  # the upstream's own words too: it wrote them, so they are no secret here
+            body["privlm"]["restore"] |= {"restored": restored, "upstream_content": _upstream_contents(body)}
+    _upstream_contents(body)  # the private key never goes out
     headers.pop("content-type", None)
     return JSONResponse(body, status_code=answer.status, headers=headers)
+
+
+_UPSTREAM_CONTENT = "_privlm_upstream_content"  # a choice's content as the upstream wrote it; never sent out
+
+
+def _restore_completion(body: dict[str, Any], restorer: Restorer) -> int:
+    """Restore the text content of every choice of a completion in place (keeping the upstream's in a private key,
+    removed before the answer goes out); how many replacements were restored. Tool calls are left as they are:
+    a restored argument would go back upstream as history."""
+    total = 0
+    for message in _messages(body):
+        if isinstance(message.get("content"), str):
+            restored, count = restorer.restore(message["content"])
+            message[_UPSTREAM_CONTENT], message["content"] = message["content"], restored
+            total += count
+    return total
+
+
+def _returned_pairs(body: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each choice's ``(content as returned, as the upstream wrote it)``."""
+    return [(m["content"], m.get(_UPSTREAM_CONTENT, m["content"])) for m in _messages(body)
+            if isinstance(m.get("content"), str)]
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The message of each choice of a completion (those that are JSON objects)."""
+    choices = body.get("choices")
+    messages = [c.get("message") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+    return [m for m in messages if isinstance(m, dict)]
+
+
+def _upstream_contents(body: dict[str, Any]) -> list[str | None]:
+    """Per choice, the content as the upstream wrote it (None where it was not text), the private key dropped."""
+    out: list[str | None] = []
+    for message in _messages(body):
+        content = message.pop(_UPSTREAM_CONTENT, message.get("content"))
+        out.append(content if isinstance(content, str) else None)
+    return out
 
 
 async def _stream(upstream: ChatUpstream, call: _Call, extractor: AnswerExtractor | None,
@@ -326,6 +498,7 @@ async def _stream(upstream: ChatUpstream, call: _Call, extractor: AnswerExtracto
     """Open the upstream's stream; an error answer comes back whole (within the cap), a stream event by event."""
     stack = AsyncExitStack()
     answer = await stack.enter_async_context(upstream.stream(UPSTREAM_PATH, call.body()))
+    await call.remember_release()
     if answer.status != 200:
         try:
             body = await answer.read()
@@ -337,6 +510,7 @@ async def _stream(upstream: ChatUpstream, call: _Call, extractor: AnswerExtracto
     headers = {**answer.headers, **call.headers}
     headers.pop("content-type", None)
     chunks = (_extracted_events(answer, call, extractor) if extractor is not None
+              else _restored_events(answer, call, call.restorer) if call.restorer is not None
               else _passed_events(answer, call))
     return StreamingResponse(_closing(chunks, stack), media_type="text/event-stream", headers=headers)
 
@@ -372,6 +546,80 @@ async def _passed_events(answer: UpstreamStream, call: _Call) -> AsyncIterator[b
         yield event
 
 
+async def _restored_events(answer: UpstreamStream, call: _Call, restorer: Restorer) -> AsyncIterator[bytes]:
+    """The upstream's events with each choice's content restored as it comes: a chunk passes at once but for a
+    tail that could still grow into a replacement, which follows with the next chunk, or with the choice's
+    finish. Events that are not JSON chunks pass as they are. With the report, a last event before ``[DONE]``
+    (no choices) says how many replacements were restored and the most characters held back at once."""
+    if call.report:
+        yield _report_event(call)
+    choices: dict[int, StreamRestorer] = {}
+    sent: dict[int, list[tuple[str, str]]] = {}  # per choice: (as the upstream wrote it, as passed on)
+    last: dict[str, Any] = {}
+    async for event in answer.events():
+        payload = _chunk_payload(event)
+        if payload is None:
+            if event.strip() == SSE_DONE.strip():
+                for chunk in _held_tails(choices, sent, last):
+                    yield chunk
+                await call.remember_answers([("".join(p for _, p in pieces), "".join(u for u, _ in pieces))
+                                             for pieces in sent.values()])
+                if call.report:
+                    yield _restore_event(call, choices.values())
+            yield event
+            continue
+        last = payload
+        for choice in payload.get("choices") or []:
+            index = choice.get("index", 0) if isinstance(choice, dict) else None
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(index, int) or not isinstance(delta, dict):
+                continue
+            stream = choices.setdefault(index, restorer.stream())
+            content = delta.get("content")
+            passed = stream.feed(content) if isinstance(content, str) else ""
+            if choice.get("finish_reason") is not None:
+                passed += stream.flush()
+            if isinstance(content, str) or passed:
+                delta["content"] = passed
+                sent.setdefault(index, []).append((content if isinstance(content, str) else "", passed))
+        yield sse_event(payload)
+    for chunk in _held_tails(choices, sent, last):  # a stream that ended without [DONE]
+        yield chunk
+
+
+def _chunk_payload(event: bytes) -> dict[str, Any] | None:
+    """An event's JSON chunk (one ``data:`` line holding a JSON object), else None."""
+    lines = [line for line in event.replace(b"\r\n", b"\n").split(b"\n") if line.strip()]
+    if len(lines) != 1 or not lines[0].startswith(b"data:"):
+        return None
+    try:
+        payload = json.loads(lines[0][5:])
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _held_tails(choices: dict[int, StreamRestorer], sent: dict[int, list[tuple[str, str]]],
+                last: dict[str, Any]) -> list[bytes]:
+    """A chunk with what each choice still holds back (a choice that did not finish)."""
+    out = []
+    for index, stream in choices.items():
+        tail = stream.flush()
+        if tail:
+            sent.setdefault(index, []).append(("", tail))
+            out.append(sse_event({**{k: last[k] for k in ("id", "object", "created", "model") if k in last},
+                                  "choices": [{"index": index, "delta": {"content": tail}, "finish_reason": None}]}))
+    return out
+
+
+def _restore_event(call: _Call, choices: Iterable[StreamRestorer]) -> bytes:
+    streams = list(choices)
+    restore = {"restored": sum(s.restored for s in streams), "held_chars_most": max((s.most_held for s in streams),
+                                                                                     default=0)}
+    return sse_event({"id": call.id, "object": "chat.completion.chunk", "created": now(), "model": call.request.model,
+                      "choices": [], "privlm": {"request_id": call.id, "restore": restore}})
+
+
 async def _extracted_events(answer: UpstreamStream, call: _Call, extractor: AnswerExtractor) -> AsyncIterator[bytes]:
     """With extraction the whole upstream answer is needed first: collect it (within the cap), rewrite locally,
     stream the rewrite."""
@@ -396,11 +644,13 @@ async def _extracted_events(answer: UpstreamStream, call: _Call, extractor: Answ
 def create_chat_gateway(privacy: PromptPrivacy, upstream: ChatUpstream, *, chat_models: Sequence[str] = (),
                         api_keys: Sequence[str] = (), options: ChatOptions = ChatOptions(),
                         audit: AuditLog | None = None, extractor: AnswerExtractor | None = None,
-                        max_request_bytes: int = MAX_REQUEST_BYTES, **service: Unpack[ServiceOptions]) -> FastAPI:
+                        memory: ConversationMemory | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+                        **service: Unpack[ServiceOptions]) -> FastAPI:
     """A gateway with only the private chat endpoint (``privlm gateway`` composes it with the others)."""
     auth = BearerKeys(api_keys)
     offered = [ModelEntry(id=name, owned_by="upstream") for name in chat_models]
-    routers = [chat_router(privacy, upstream, auth=auth, options=options, audit=audit, extractor=extractor),
+    routers = [chat_router(privacy, upstream, auth=auth, options=options, audit=audit, extractor=extractor,
+                           memory=memory),
                catalog_router(offered)]
     return _create_service_app(title="privlm gateway (OpenAI-compatible private chat)", routers=routers, auth=auth,
                                max_request_bytes=max_request_bytes, lifespan=closing_upstream(upstream),

@@ -14,12 +14,18 @@ What LiteLLM sends, and what this endpoint does with it:
     (LiteLLM maps them back by index; blank texts stay blank).
   - ``input_type``: ``"request"`` is perturbed; ``"response"`` (the model's answer, in ``post_call`` mode) is
     not the user's prompt, and perturbing it would protect nothing of theirs: it is answered ``NONE``, free.
-  - ``request_data``: the caller's ids. The budget is charged to ``"litellm-key:" + user_api_key_hash``
-    (``charge_to="key"``) or to ``"litellm-end-user:" + user_api_key_end_user_id`` (``charge_to="end-user"``).
-    A request without that id is BLOCKED when there is a ledger (it is never charged to a shared principal);
-    without a ledger nothing is charged, so it goes through, under the principal :data:`UNIDENTIFIED`.
-  - ``additional_provider_specific_params.epsilon``: a lower epsilon per token (from LiteLLM's config, or
-    from the client's dynamic guardrail params); never a higher one.
+  - ``request_data``: the caller's ids. The budget is charged to ``"litellm-key:" + user_api_key_hash`` *and*
+    ``"litellm-end-user:" + user_api_key_end_user_id`` together (``charge_to="key-and-end-user"``, the default: a
+    joint principal, both charged in one transaction, only if both have budget left), to the key alone
+    (``"key"``) or to the end user alone (``"end-user"``: any key holder can name a new end user and so mint a
+    fresh budget). A request without an id it needs is BLOCKED when there is a ledger (it is never charged to a
+    shared principal); without a ledger nothing is charged, so it goes through, under the ids it has (or
+    :data:`UNIDENTIFIED`).
+  - ``additional_provider_specific_params.epsilon`` (LiteLLM's config) and the client's ``x-privlm-epsilon``
+    header, which LiteLLM 1.108.7 forwards in ``request_headers`` only when the guardrail's ``extra_headers``
+    names it (otherwise as ``"[present]"``, which is BLOCKED: the client asked for an epsilon it would not get):
+    each may lower the epsilon per token, never raise it; the smaller one applies. The client's dynamic guardrail
+    params (``extra_body``) never reach a pre-call guardrail in 1.108.7 (docs/litellm.md).
   - ``images``: Cape perturbs text only. ``images="block"`` (default) blocks a request with images;
     ``images="pass"`` lets them through unchanged (they reach the model as they are).
 
@@ -31,10 +37,13 @@ is left), never the text: budget exhausted, privacy step failed, images, over-lo
 the limit, a missing id, an audit log that cannot be written, or any unexpected error. So is every JSON object
 that does not hold a valid request (no ``request_data`` or ``request_data: null``, no or another ``input_type``,
 ``texts`` that are not strings, a field of the wrong type): the reason names the fields, never their values.
-So are the scaffolding's refusals of a request it cannot take now or at all: busy (``max_in_flight``), too many
-in flight for the caller, a body too large or too slow (:data:`REFUSAL_ANSWERS`). Only a body that is not a JSON
-object at all gets a 4xx (OpenAI's error shape), as do a missing or wrong key (401) and a wrong ``Host``: with
-``fail_on_error: false`` LiteLLM lets the original through on those, so keep LiteLLM's default.
+So are the scaffolding's refusals of a request it cannot take now or at all: the route full, too many open
+connections, a body too large or too slow (:data:`REFUSAL_ANSWERS`). The route has in-flight places of its own
+(:func:`guardrail_lanes`, ``guardrail_max_in_flight``), apart from the service's ``max_in_flight`` and its
+per-caller quarter: a burst from LiteLLM, one caller, queues for the device model up to that bound, and only beyond
+it is BLOCKED. Only a body that is not a JSON object at all gets a 4xx (OpenAI's error shape), as do a missing or
+wrong key (401) and a wrong ``Host``: with ``fail_on_error: false`` LiteLLM lets the original through on those, so
+keep LiteLLM's default.
 
 The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer`` or
 ``x-api-key``, where LiteLLM sends its ``api_key`` setting; docs/litellm.md).
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, Unpack
@@ -52,21 +62,31 @@ from fastapi import APIRouter, Body, FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from privlm.accounting import BudgetExhaustedError
+from privlm.accounting import BudgetExhaustedError, joint_principal
 from privlm.cape.service.chat import privacy_headers
-from privlm.cape.service.privacy import PrivateTexts, PromptPrivacy
-from privlm.service import BearerKeys, FairScheduler, ServiceError, ServiceOptions, create_service_app
+from privlm.cape.service.memory import ConversationMemory, release_texts
+from privlm.cape.service.privacy import PrivacyBatcher, PrivateTexts, PromptPrivacy
+from privlm.service import BearerKeys, ServiceError, ServiceOptions, create_service_app
 from privlm.service.app import field_path
 from privlm.service.audit import AuditLog
+from privlm.service.limits import MAX_IN_FLIGHT, Lane
 
+logger = logging.getLogger(__name__)
 GUARDRAIL_PATH = "/beta/litellm_basic_guardrail_api"
 MAX_REQUEST_BYTES = 16 * 2**20  # base64 images count too (they are then blocked or passed, never read)
 KEY_PREFIX = "litellm-key:"
 END_USER_PREFIX = "litellm-end-user:"
 UNIDENTIFIED = "litellm-unidentified"  # only without a ledger: nothing is charged to it
 EPSILON_PARAM = "additional_provider_specific_params.epsilon"
+EPSILON_HEADER = "x-privlm-epsilon"  # the chat gateway's header; LiteLLM forwards it if extra_headers names it
+LITELLM_HIDDEN_VALUE = "[present]"  # what LiteLLM sends in request_headers for a header it does not forward
+GUARDRAIL_MAX_IN_FLIGHT = MAX_IN_FLIGHT  # the route's own places: all of them LiteLLM's, none of the other routes'
 
-ChargeTo = Literal["key", "end-user"]
+ChargeTo = Literal["key-and-end-user", "key", "end-user"]
+CHARGE_TO: tuple[ChargeTo, ...] = ("key-and-end-user", "key", "end-user")
+_KEY_ID = ("user_api_key_hash", KEY_PREFIX, "virtual key")
+_END_USER_ID = ("user_api_key_end_user_id", END_USER_PREFIX, "end user (the request's `user` field)")
+_CHARGED_IDS = {"key-and-end-user": (_KEY_ID, _END_USER_ID), "key": (_KEY_ID,), "end-user": (_END_USER_ID,)}
 ImagePolicy = Literal["block", "pass"]
 Action = Literal["NONE", "GUARDRAIL_INTERVENED", "BLOCKED"]
 
@@ -157,20 +177,52 @@ REFUSAL_ANSWERS = {GUARDRAIL_PATH: blocked_refusal}
 MAX_ID_CHARS = 256  # a key hash or an end-user id; the ledger keeps it
 
 
+def _memory_principal(data: LiteLLMRequestData, charged: str) -> str:
+    """Whose conversation memory a request reads: the key *and* the end user whenever LiteLLM names both, whatever
+    is charged, so that one end user never learns (from a free, faster answer) that another sent a text."""
+    ids = [prefix + value for field, prefix, _ in _CHARGED_IDS["key-and-end-user"]
+           if (value := (getattr(data, field) or "").strip())]
+    return joint_principal(*ids) if len(ids) == 2 else charged
+
+
 def _principal(data: LiteLLMRequestData, charge_to: ChargeTo, privacy: PromptPrivacy) -> str:
-    """The principal charged: LiteLLM's key hash or end-user id. Missing with a ledger: blocked."""
-    field, prefix = (("user_api_key_hash", KEY_PREFIX) if charge_to == "key"
-                     else ("user_api_key_end_user_id", END_USER_PREFIX))
-    value = (getattr(data, field) or "").strip()
-    if len(value) > MAX_ID_CHARS:
-        raise _BlockedError(f"privlm: request_data.{field} is longer than {MAX_ID_CHARS} characters")
-    if value:
-        return prefix + value
-    if privacy.ledger is None:
-        return UNIDENTIFIED
-    who = "virtual key" if charge_to == "key" else "end user (the request's `user` field)"
-    raise _BlockedError(f"privlm: request_data.{field} is missing; budgets are charged per {who}, and a request "
-                   "without one is not charged to a shared budget")
+    """The principal charged: LiteLLM's key hash, its end-user id, or both (a joint principal: the ledger charges
+    each, and only if each has budget left). An id missing with a ledger: blocked."""
+    found: list[str] = []
+    missing: list[str] = []
+    for field, prefix, _ in _CHARGED_IDS[charge_to]:
+        value = (getattr(data, field) or "").strip()
+        if len(value) > MAX_ID_CHARS:
+            raise _BlockedError(f"privlm: request_data.{field} is longer than {MAX_ID_CHARS} characters")
+        (found if value else missing).append(prefix + value if value else f"request_data.{field}")
+    if privacy.ledger is None:  # nothing is charged: the ids only name the caller (audit log, turns)
+        return joint_principal(*found) if found else UNIDENTIFIED
+    if missing:
+        who = " and per ".join(who for _, _, who in _CHARGED_IDS[charge_to])
+        raise _BlockedError(f"privlm: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing; "
+                            f"budgets are charged per {who}, and a request without one is not charged to a shared "
+                            "budget")
+    return joint_principal(*found)
+
+
+def _epsilon(request: GuardrailRequest, privacy: PromptPrivacy) -> float:
+    """The smaller of the config's ``additional_provider_specific_params.epsilon`` and the client's
+    ``x-privlm-epsilon`` header as LiteLLM forwards it (each checked; an absent one counts as the guardrail's own),
+    so that neither can raise the other. A header LiteLLM forwarded as ``[present]`` only is blocked: the client
+    asked for an epsilon it would not get."""
+    asks: list[tuple[Any, str]] = [((request.additional_provider_specific_params or {}).get("epsilon"), EPSILON_PARAM)]
+    for name, value in (request.request_headers or {}).items():
+        if name.lower() != EPSILON_HEADER:
+            continue
+        param = f"request_headers.{EPSILON_HEADER}"
+        if value == LITELLM_HIDDEN_VALUE:
+            raise _BlockedError(f"privlm: the client sent {EPSILON_HEADER}, but LiteLLM forwarded only that it was "
+                                f"there; add {EPSILON_HEADER} to the guardrail's extra_headers")
+        try:
+            asks.append((float(value), param))
+        except ValueError:
+            raise _BlockedError(f"privlm: {param} must be a number") from None
+    return min(privacy.resolve_epsilon(value, param=param) for value, param in asks)
 
 
 def _texts(request: GuardrailRequest, images: ImagePolicy) -> list[str]:
@@ -210,15 +262,24 @@ _BODY_DESCRIPTION = ("LiteLLM's GenericGuardrailAPIRequest (`input_type`, `texts
                      "one that is not a valid request is BLOCKED, with the fields at fault named.")
 
 
-def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", audit: AuditLog | None = None,
-                     images: ImagePolicy = "block") -> APIRouter:
-    """``POST /beta/litellm_basic_guardrail_api`` (see the module doc); mount it behind the app's keys."""
-    if charge_to not in ("key", "end-user"):
-        raise ValueError(f"charge_to must be 'key' or 'end-user', got {charge_to!r}")
+def guardrail_lanes(max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT) -> dict[str, Lane]:
+    """The route's own in-flight places (:class:`~privlm.service.limits.Lane`), for the app that serves it: LiteLLM
+    is one caller, so the service's per-caller quarter would refuse most of a burst that could have queued."""
+    return {GUARDRAIL_PATH: Lane(max_in_flight, param="guardrail_max_in_flight")}
+
+
+def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-end-user",
+                     audit: AuditLog | None = None, images: ImagePolicy = "block",
+                     memory: ConversationMemory | None = None, batcher: PrivacyBatcher | None = None) -> APIRouter:
+    """``POST /beta/litellm_basic_guardrail_api`` (see the module doc); mount it behind the app's keys, with
+    :data:`REFUSAL_ANSWERS` and :func:`guardrail_lanes`. ``memory``: conversation memory (a text released before
+    for the same principal is sent as it was, free: LiteLLM sends the whole history every turn)."""
+    if charge_to not in CHARGE_TO:
+        raise ValueError(f"charge_to must be one of {', '.join(CHARGE_TO)}; got {charge_to!r}")
     if images not in ("block", "pass"):
         raise ValueError(f"images must be 'block' or 'pass', got {images!r}")
     router = APIRouter(tags=["litellm"])
-    perturbing = FairScheduler(1)  # one forward pass at a time on the device model, callers taking turns
+    perturbing = batcher or privacy.batched()  # shared with the app's chat route, if any: one device model
 
     async def record(event: str, entry: Mapping[str, Any]) -> bool:
         """Write to the audit log, if any; False if it could not be written."""
@@ -233,25 +294,38 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", aud
     async def perturb(request: GuardrailRequest, request_id: str) -> JSONResponse:
         texts = _texts(request, images)
         principal = _principal(request.request_data, charge_to, privacy)
-        params = request.additional_provider_specific_params or {}
         try:
-            epsilon = privacy.resolve_epsilon(params.get("epsilon"), param=EPSILON_PARAM)
-            privacy.check_lengths(texts, param="texts")
+            epsilon = _epsilon(request, privacy)
         except ServiceError as error:
             raise _BlockedError(f"privlm: {error.detail.message}") from None
+
+        async def perturb_texts(fresh: list[str]) -> PrivateTexts:
+            return await perturbing.privatize(fresh, principal=principal, epsilon=epsilon, caller=principal)
+
+        remembering = _memory_principal(request.request_data, principal)
         try:
-            async with perturbing.turn(principal):
-                result = await asyncio.to_thread(privacy.privatize, texts, principal=principal, epsilon=epsilon)
+            recalled = await release_texts(memory, remembering, texts, perturb_texts,
+                                           check=lambda fresh: privacy.check_lengths(fresh, param="texts"))
         except BudgetExhaustedError as error:
             raise _budget_reason(error) from None
-        except ServiceError as error:  # PrivacyStepError: its message names the failure's type only
+        except ServiceError as error:  # too long, memory unreadable, PrivacyStepError: the messages name no text
             raise _BlockedError(f"privlm: {error.detail.message}") from None
+        result = recalled.result
         changed = any(sent != text for sent, text in zip(result.texts, texts, strict=True))
         action: Action = "GUARDRAIL_INTERVENED" if changed else "NONE"
         if not await record("released", _released_record(result, request, request_id, principal, action)):
+            # Blocked, so nothing of it leaves: the charge is given back, as the chat gateway does.
+            await asyncio.to_thread(privacy.refund, result, principal=principal)
             raise _BlockedError("privlm: the audit log could not be written; nothing may be sent unrecorded")
-        return _answer(GuardrailResponse(action=action, texts=list(result.texts)),
-                       privacy_headers(result, request_id))
+        headers = privacy_headers(result, request_id)
+        if memory is not None:
+            try:  # kept before LiteLLM sends (it may not): no refund ever follows here, so no repeat goes up free
+                if recalled.new:
+                    await asyncio.to_thread(memory.remember_releases, remembering, recalled.new)
+            except Exception as error:  # a later repeat is then released afresh, and charged
+                logger.warning("conversation memory could not keep a release (%s)", type(error).__name__)
+            headers["x-privlm-texts-remembered"] = str(sum(recalled.remembered))
+        return _answer(GuardrailResponse(action=action, texts=list(result.texts)), headers)
 
     async def guardrail(body: Annotated[dict[str, Any], Body(description=_BODY_DESCRIPTION)]) -> JSONResponse:
         request_id = f"privlm-{uuid.uuid4().hex[:16]}"
@@ -279,14 +353,19 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key", aud
     return router
 
 
-def create_guardrail_app(privacy: PromptPrivacy, *, api_keys: Sequence[str] = (), charge_to: ChargeTo = "key",
-                         audit: AuditLog | None = None, images: ImagePolicy = "block",
-                         max_request_bytes: int = MAX_REQUEST_BYTES, **service: Unpack[ServiceOptions]) -> FastAPI:
-    """A service with only the guardrail endpoint (and ``/health``, ``/metrics``), behind ``api_keys``."""
+def create_guardrail_app(privacy: PromptPrivacy, *, api_keys: Sequence[str] = (),
+                         charge_to: ChargeTo = "key-and-end-user", audit: AuditLog | None = None,
+                         images: ImagePolicy = "block", max_request_bytes: int = MAX_REQUEST_BYTES,
+                         guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT,
+                         memory: ConversationMemory | None = None, **service: Unpack[ServiceOptions]) -> FastAPI:
+    """A service with only the guardrail endpoint (and ``/health``, ``/metrics``), behind ``api_keys``; at most
+    ``guardrail_max_in_flight`` guardrail requests in flight (queued for the device model), more are BLOCKED."""
     auth = BearerKeys(api_keys)
-    router = guardrail_router(privacy, charge_to=charge_to, audit=audit, images=images)
+    router = guardrail_router(privacy, charge_to=charge_to, audit=audit, images=images, memory=memory)
     return create_service_app(title="privlm LiteLLM guardrail (Cape)", routers=[router], auth=auth,
                               max_request_bytes=max_request_bytes, refusal_answers=REFUSAL_ANSWERS,
+                              lanes=guardrail_lanes(guardrail_max_in_flight),
                               health=lambda: {"mechanism": privacy.mechanism, "epsilon": privacy.epsilon,
-                                              "charge_to": charge_to, "images": images},
+                                              "charge_to": charge_to, "images": images,
+                                              "guardrail_max_in_flight": guardrail_max_in_flight},
                               **service)

@@ -1,0 +1,210 @@
+"""Conversation memory: a text the gateway has released once is released again identically, and charged nothing.
+
+Resending an earlier release is post-processing of an output already paid for, so a repeat costs no privacy;
+and the upstream never sees two noisy copies of one message to average. An answer the gateway returned (restored
+or not: :mod:`privlm.cape.service.restore`) is kept the same way, as released as the text the upstream wrote, so
+that when the client sends it back as history it goes up as the upstream's own words, and nothing restored
+crosses.
+
+What is stored, per principal, keyed by an HMAC (a local secret) of the principal and the text, so that the
+store holds no original text: the text as it went up (which the upstream has seen), and the offsets of its
+replaced spans in the original (which reveal their lengths and places, and which the next request's original
+makes whole again). Whoever holds the store *and* its secret can test guesses of a text (is this the HMAC of "I
+have cancer"?), as with any keyed hash: keep the secret as private as the ledger's.
+
+A release is kept only once the upstream has received it (the caller's job): kept before, a concurrent repeat
+could go up free while the first request, never sent, is refunded.
+
+Entries expire ``ttl_seconds`` after their last use, and the oldest used go first beyond ``max_entries``; an
+expired text is released afresh (and charged again). The store is SQLite, in a file (kept across restarts;
+its secret beside it, ``<file>.secret``) or in this process's memory only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from privlm._validation import check_positive_finite, check_positive_int
+from privlm.accounting.principals import PrincipalHasher, secret_path_of
+from privlm.cape.service.privacy import PrivateTexts
+from privlm.cape.service.restore import ReplacedSpan, replaced_spans
+from privlm.models.perturbation import PromptReport
+from privlm.service import ServiceError
+
+logger = logging.getLogger(__name__)
+MAX_ENTRIES = 100_000
+TTL_SECONDS = 30 * 86_400.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS memory (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    used REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS memory_used ON memory (used);
+"""
+
+
+@dataclass(frozen=True)
+class EarlierRelease:
+    """One text as it went up, and the offsets of its replaced spans in the original."""
+
+    text: str
+    spans: tuple[ReplacedSpan, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"text": self.text, "spans": [[s.start, s.end, s.released] for s in self.spans]})
+
+    @classmethod
+    def from_json(cls, value: str) -> EarlierRelease:
+        data = json.loads(value)
+        return cls(str(data["text"]), tuple(ReplacedSpan(int(a), int(b), str(r)) for a, b, r in data["spans"]))
+
+
+class ConversationMemory:
+    """The store (see the module doc). ``path``: a SQLite file, or None for this process only. Blocking."""
+
+    def __init__(self, path: str | Path | None = None, *, max_entries: int = MAX_ENTRIES,
+                 ttl_seconds: float = TTL_SECONDS, clock: Callable[[], float] = time.time) -> None:
+        self.path = None if path is None else Path(path)
+        self.max_entries = check_positive_int("max_entries", max_entries)
+        self.ttl = check_positive_finite("ttl_seconds", ttl_seconds)
+        self.clock = clock
+        if self.path is None:
+            self._hasher = PrincipalHasher.ephemeral()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._hasher = PrincipalHasher.from_file(secret_path_of(self.path))
+        self._db = sqlite3.connect(":memory:" if self.path is None else self.path, check_same_thread=False,
+                                   isolation_level=None, timeout=30.0)
+        self._lock = threading.Lock()
+        with self._lock:
+            if self.path is not None:
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _key(self, principal: str, text: str) -> str:
+        return self._hasher.digest(f"release\0{principal}\0{text}")
+
+    def _get(self, keys: Sequence[str]) -> list[str | None]:
+        now = self.clock()
+        found: dict[str, str] = {}
+        with self._transaction() as db:
+            for key in dict.fromkeys(keys):
+                row = db.execute("SELECT value FROM memory WHERE key = ? AND used >= ?",
+                                 (key, now - self.ttl)).fetchone()
+                if row is not None:
+                    found[key] = row[0]
+                    db.execute("UPDATE memory SET used = ? WHERE key = ?", (now, key))
+        return [found.get(key) for key in keys]
+
+    def _put(self, items: Sequence[tuple[str, str]]) -> None:
+        now = self.clock()
+        with self._transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO memory VALUES (?, ?, ?)", [(k, v, now) for k, v in items])
+            db.execute("DELETE FROM memory WHERE used < ?", (now - self.ttl,))
+            (count,) = db.execute("SELECT COUNT(*) FROM memory").fetchone()
+            if count > self.max_entries:
+                db.execute("DELETE FROM memory WHERE key IN (SELECT key FROM memory ORDER BY used LIMIT ?)",
+                           (count - self.max_entries,))
+
+    def releases(self, principal: str, texts: Sequence[str]) -> list[EarlierRelease | None]:
+        """The earlier release of each text by ``principal`` (None: not released before, or expired)."""
+        values = self._get([self._key(principal, text) for text in texts])
+        return [None if value is None else EarlierRelease.from_json(value) for value in values]
+
+    def remember_releases(self, principal: str, released: Sequence[tuple[str, EarlierRelease]]) -> None:
+        """Keep each ``(text, release)`` of ``principal``, in one transaction: a text it sent (or an answer it
+        returned), as it went up (as the upstream wrote it)."""
+        self._put([(self._key(principal, text), release.to_json()) for text, release in released])
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM memory").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """A request's texts, each sent as released before (``remembered``: charged nothing) or as perturbed now.
+    ``result`` covers every text in order, with a report only where it was perturbed now (a text twice in one
+    request is perturbed once); ``spans``: each text's replaced spans (for restore); ``new``: what memory keeps."""
+
+    result: PrivateTexts
+    remembered: list[bool]
+    spans: list[tuple[ReplacedSpan, ...]]
+    new: list[tuple[str, EarlierRelease]]
+
+
+async def release_texts(memory: ConversationMemory | None, principal: str, texts: Sequence[str],
+                  privatize: Callable[[list[str]], Awaitable[PrivateTexts]],
+                  check: Callable[[list[str]], None] = lambda texts: None) -> Recalled:
+    """Release ``texts`` for ``principal``: with memory, each text released before as it was, and the others, each
+    once, through ``privatize`` (after ``check``: the work's limits); without, every text through it, repeats
+    too. A store that cannot be read fails before any charge (a 500, nothing released). Nothing is kept here:
+    the caller keeps ``new`` once the release is recorded (:meth:`ConversationMemory.remember_releases`)."""
+    if memory is None:
+        perturbed = list(texts)
+        check(perturbed)
+        result = await privatize(perturbed)
+        spans = [replaced_spans(text, report) for text, report in zip(texts, result.reports, strict=True)]
+        return Recalled(result, [False] * len(texts), spans, [])
+    try:
+        earlier = await asyncio.to_thread(memory.releases, principal, texts) if texts else []
+    except Exception as error:
+        logger.warning("conversation memory could not be read (%s)", type(error).__name__)
+        raise ServiceError(500, f"conversation memory could not be read ({type(error).__name__}); nothing was "
+                                "sent upstream", type="server_error", code="memory_failed") from None
+    perturbed = list(dict.fromkeys(text for text, before in zip(texts, earlier, strict=True) if before is None))
+    check(perturbed)
+    return _recalled(texts, earlier, perturbed, await privatize(perturbed))
+
+
+def _recalled(texts: Sequence[str], earlier: Sequence[EarlierRelease | None], perturbed: Sequence[str],
+              result: PrivateTexts) -> Recalled:
+    now = {text: (sent, report) for text, sent, report in zip(perturbed, result.texts, result.reports, strict=True)}
+    sent_texts: list[str] = []
+    reports: list[PromptReport | None] = []
+    remembered: list[bool] = []
+    spans: list[tuple[ReplacedSpan, ...]] = []
+    seen: set[str] = set()
+    for text, before in zip(texts, earlier, strict=True):
+        if before is not None:
+            sent_texts.append(before.text)
+            reports.append(None)
+            remembered.append(True)
+            spans.append(before.spans)
+            continue
+        sent, report = now[text]
+        sent_texts.append(sent)
+        reports.append(None if text in seen else report)
+        remembered.append(text in seen and report is not None)
+        spans.append(replaced_spans(text, report))
+        seen.add(text)
+    new = [(text, EarlierRelease(sent, replaced_spans(text, report))) for text, (sent, report) in now.items()
+           if report is not None]
+    return Recalled(dataclasses.replace(result, texts=sent_texts, reports=reports), remembered, spans, new)
