@@ -200,10 +200,11 @@ def assert_openai_error(response: Any, status: int, *, code: str | None = None, 
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano")
 
 
-class FakePerturber:
-    """Every word replaced by one of ``WORDS`` drawn with ``generator``; epsilon per word, charged first."""
+class _TestPerturber:
+    """What the test mechanisms share: the perturber's constructor, one text through the batch path, and the
+    charge of every text's total to the ledger first, in one transaction."""
 
-    name = "fake"
+    unit = PrivacyUnit.EPSILON
 
     def __init__(self, epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> None:
         self.epsilon, self.generator, self.ledger, self.principal = epsilon, generator, ledger, principal
@@ -216,9 +217,21 @@ class FakePerturber:
         return self.perturb_batch([text])[0]
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
-        totals = [self.epsilon * len(text.split()) for text in texts]
+        raise NotImplementedError
+
+    def charge(self, totals: Sequence[float]) -> None:
         if self.ledger is not None:
             self.ledger.spend_all(self.principal, [Spend(PrivacyUnit.EPSILON, t) for t in totals if t > 0])
+
+
+class FakePerturber(_TestPerturber):
+    """Every word replaced by one of ``WORDS`` drawn with ``generator``; epsilon per word, charged first."""
+
+    name = "fake"
+
+    def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
+        totals = [self.epsilon * len(text.split()) for text in texts]
+        self.charge(totals)
         out = []
         for text, total in zip(texts, totals, strict=True):
             draws = torch.randint(len(WORDS), (len(text.split()),), generator=self.generator).tolist()
@@ -229,31 +242,19 @@ class FakePerturber:
         return out
 
 
-class NamePerturber:
+class NamePerturber(_TestPerturber):
     """A deterministic mechanism for the restore and memory tests: each word of ``REPLACEMENTS`` is released as its
     replacement (a token record per word, leading space included), every other word unchanged; epsilon per
     replaced word, charged to the ledger first."""
 
     name = "names"
-    unit = PrivacyUnit.EPSILON
     REPLACEMENTS: ClassVar[dict[str, str]] = {"Maria": "Jake", "Gonzalez": "Rodriguez", "Rotterdam": "Denver",
                                               "Krakow": "Denver", "Lisbon": "Paris"}
-
-    def __init__(self, epsilon: float, generator: torch.Generator, ledger: Ledger | None, principal: str) -> None:
-        self.epsilon, self.ledger, self.principal = epsilon, ledger, principal
-
-    @property
-    def vocabulary(self) -> Any:
-        raise NotImplementedError
-
-    def perturb(self, text: str) -> PerturbedPrompt:
-        return self.perturb_batch([text])[0]
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]:
         pieces = [re.findall(r"\s*[\w']+|\s*[^\w\s]", text) for text in texts]
         totals = [self.epsilon * sum(p.strip() in self.REPLACEMENTS for p in ps) for ps in pieces]
-        if self.ledger is not None:
-            self.ledger.spend_all(self.principal, [Spend(PrivacyUnit.EPSILON, t) for t in totals if t > 0])
+        self.charge(totals)
         out = []
         for ps, total in zip(pieces, totals, strict=True):
             records = []
