@@ -196,16 +196,6 @@ def test_an_epsilon_header_litellm_did_not_forward_or_above_the_limit_is_blocked
             "x-privlm-epsilon": bad}), api_key=None))
 
 
-def test_dynamic_guardrail_params_never_reach_the_guardrail():
-    """What a client's ``guardrails=[{"privlm-cape": {"extra_body": {"epsilon": 2}}}]`` becomes in LiteLLM 1.108.7:
-    nothing (tests/support/litellm.py). The body it posts has no place for them but the config's params."""
-    sent = litellm.body([TEXT])
-    assert sent["additional_provider_specific_params"] == {} and "guardrails" not in sent
-    assert set(sent["request_data"]) <= {"user_api_key_hash", "user_api_key_alias", "user_api_key_user_id",
-                                         "user_api_key_user_email", "user_api_key_team_id", "user_api_key_team_alias",
-                                         "user_api_key_end_user_id", "user_api_key_org_id"}
-
-
 # -- budgets: the key and the end user together -----------------------------------------------------------------
 
 def budgeted(tmp_path: Path, budget: float, **options: Any) -> tuple[Ledger, Any]:
