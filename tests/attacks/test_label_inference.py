@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from privlm.attacks import label_inference_from_logit_gradients, label_inference_from_representation_gradients
+from privlm.attacks import (
+    label_inference_by_norm,
+    label_inference_from_logit_gradients,
+    label_inference_from_representation_gradients,
+)
 
 N, DIM, BATCH = 400, 24, 16
 
@@ -131,3 +135,58 @@ def test_representation_bad_inputs(args, param):
 def test_logit_bad_inputs(gradients, labels, param):
     with pytest.raises(ValueError, match=param):
         label_inference_from_logit_gradients(gradients, labels)
+
+
+# --- label inference by norm scoring ---
+
+
+def norm_gradients(generator: torch.Generator, *, informative: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-class g = (p1 - y) u: a head that leans to class 0 (p1 about 0.3) gives label-1 rows larger norms.
+    Not ``informative``: the labels are drawn independently of the gradients."""
+    u = torch.randn(DIM, generator=generator)
+    labels = (torch.rand(N, generator=generator) < 0.4).long()
+    p1 = (0.3 + 0.1 * torch.randn(N, generator=generator)).clamp(0.01, 0.99)
+    gradients = (p1 - labels.float()).unsqueeze(1) * u
+    if not informative:
+        labels = (torch.rand(N, generator=generator) < 0.4).long()
+    return gradients, labels
+
+
+@pytest.mark.parametrize("split", ["two-means", "known"])
+def test_norms_that_differ_by_class_reveal_the_labels(generator, split):
+    gradients, labels = norm_gradients(generator, informative=True)
+    result = label_inference_by_norm(gradients, labels, known=20, split=split)
+    assert result.trials == N - 20 and result.rate >= 0.9 and result.ci_low > result.chance
+    assert result.name == "label-inference-gradient-norm" and result.details["seconds"] >= 0
+    assert result.details["side_labels"] == {"low": 0, "high": 1}
+
+
+@pytest.mark.parametrize("split", ["two-means", "known"])
+def test_norms_independent_of_the_label_give_chance(generator, split):
+    gradients, labels = norm_gradients(generator, informative=False)
+    result = label_inference_by_norm(gradients, labels, known=20, split=split)
+    assert result.ci_low <= result.chance <= result.ci_high + 0.02
+    assert result.rate < result.chance + 0.1
+
+
+def test_norm_scoring_names_an_unseen_side_by_the_other_class():
+    gradients = np.array([[1.0]] * 6 + [[5.0]] * 4)
+    labels = np.array([0] * 6 + [1] * 4)
+    assert np.random.default_rng(0).permutation(10)[0] < 6  # the one known row is on the low side
+    result = label_inference_by_norm(gradients, labels, known=1)
+    assert result.details["side_labels"] == {"low": 0, "high": 1}
+    assert (result.successes, result.trials) == (9, 9)
+
+
+@pytest.mark.parametrize(("args", "param"), [
+    ({"gradients": np.zeros((10,))}, "gradients"),
+    ({"true_labels": np.full(30, 2)}, "true_labels"),
+    ({"known": 0}, "known"),
+    ({"known": 30}, "known"),
+    ({"split": "median"}, "split"),
+    ({"seed": -1}, "seed"),
+])
+def test_norm_bad_inputs(args, param):
+    call = {"gradients": np.ones((30, 4)), "true_labels": np.zeros(30, dtype=int), **args}
+    with pytest.raises(ValueError, match=param):
+        label_inference_by_norm(**call)

@@ -3,10 +3,22 @@ candidate, and on SmolLM2 it restores text that was left as it is and names the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
-from privlm.attacks import llm_reconstruction, rank_candidates
+from privlm.attacks import (
+    REWRITE_INSTRUCTION,
+    chat_rewriter,
+    fit_released_log_odds,
+    llm_reconstruction,
+    prompt_restoration,
+    rank_candidates,
+    rouge_l_f1,
+    rouge_words,
+)
+from privlm.models.chat import ChatModel
 from tests.models.tiny import tiny_causal_lm, tiny_model
 
 
@@ -26,6 +38,43 @@ def test_the_ranking_is_the_whole_sequence_log_likelihood_and_keeps_the_released
                 log_p = lm.model(input_ids=row_ids).logits[0, :-1].log_softmax(-1)
             expected = log_p.gather(-1, row_ids[0, 1:, None]).sum()
             assert score == pytest.approx(float(expected), abs=1e-4)
+
+
+def _keep_mostly(texts: Sequence[list[int]], keep: float, vocab: int, seed: int) -> tuple[list[list[int]],
+                                                                                       list[list[int]]]:
+    """A toy word-level mechanism: each token released as itself with probability ``keep``, else a random id."""
+    generator = torch.Generator().manual_seed(seed)
+    released, positions = [], []
+    for text in texts:
+        out = [t if float(torch.rand(1, generator=generator)) < keep
+               else int(torch.randint(5, vocab, (1,), generator=generator)) for t in text]
+        released.append(out)
+        positions.append(list(range(len(text))))
+    return released, positions
+
+
+def test_knowing_the_mechanism_beats_the_lm_alone_when_the_release_keeps_most_tokens():
+    """Fitted on the attacker's own releases, the released token's log-odds make the attack at least as good as
+    reading the release, on fresh releases of the same law; the LM alone (b = 0, a random tiny model) is not."""
+    lm = tiny_causal_lm()
+    vocab = lm.model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    texts = [torch.randint(5, vocab, (12,), generator=generator).tolist() for _ in range(16)]
+    own, own_positions = _keep_mostly(texts[:8], 0.8, vocab, seed=1)
+    kwargs = {"start_id": 2, "excluded": frozenset({0, 1, 2, 3, 4}), "shortlist": 8}
+    b = fit_released_log_odds(texts[:8], own, own_positions, lm.model, **kwargs)
+    assert b > 0
+    fresh, positions = _keep_mostly(texts[8:], 0.8, vocab, seed=2)
+    aware = llm_reconstruction(texts[8:], fresh, positions, lm.model, top=1, released_log_odds=b, **kwargs)
+    alone = llm_reconstruction(texts[8:], fresh, positions, lm.model, top=1, **kwargs)
+    kept = sum(r == t for f, x in zip(fresh, texts[8:], strict=True) for r, t in zip(f, x, strict=True))
+    assert aware.top1.name == "llm-reconstruction-aware-top1" and alone.top1.name == "llm-reconstruction-top1"
+    assert aware.top1.successes >= kept  # at least the retention
+    assert aware.top1.ci_low > alone.top1.ci_high
+    reading = llm_reconstruction(texts[8:], fresh, positions, lm.model, top=1, released_log_odds=1e4, **kwargs)
+    assert reading.top1.successes == kept  # b = +inf reads the release as it is
+    with pytest.raises(ValueError, match="grid"):
+        fit_released_log_odds(texts[:1], own[:1], own_positions[:1], lm.model, grid=(), **kwargs)
 
 
 def _whole_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -75,3 +124,56 @@ def test_on_smollm2_text_left_as_it_is_is_restored_and_context_names_the_missing
     restored = llm_reconstruction([ids], [noise], [[city]], smollm2_lm.model, **common)
     assert restored.topk.successes == 1  # the context alone puts " Paris" among the ten best
     assert tokenizer.decode([int(restored.restored[0][0])]).strip() != "banana"
+
+
+def test_rouge_words_are_rouge_scores_tokenisation():
+    assert rouge_words("Ask for Maria Novak, @United's 4068-6580!") == ["ask", "for", "maria", "novak", "united", "s",
+                                                                         "4068", "6580"]
+    assert rouge_words(" ,!? ") == []
+
+
+def test_prompt_restoration_scores_each_rewrite_and_each_release_by_rouge_l_against_its_original():
+    originals = ["my card is 4068 6580", "ask for maria novak", "the flight was late"]
+    released = ["my hat is 1111 6580", "ask for x y", "the flight was late"]
+    asked: list[str] = []
+
+    def stub(messages: Sequence[str]) -> list[str]:  # restores the first prompt whole, the second half, the third not
+        asked.extend(messages)
+        texts = [m.split("\n\n", 1)[1] for m in messages]
+        return [{released[0]: "My card is 4068 6580.", released[1]: "ask maria"}.get(t, "nothing here") for t in texts]
+
+    result = prompt_restoration(originals, released, stub, seed=3)
+    assert asked == [REWRITE_INSTRUCTION.replace("{text}", r) for r in released]  # the fixed instruction, filled in
+    assert result.rewrites == ("My card is 4068 6580.", "ask maria", "nothing here")
+    restored = [1.0, rouge_l_f1(["ask", "for", "maria", "novak"], ["ask", "maria"]), 0.0]  # 2/3: P = 1, R = 1/2
+    assert restored[1] == pytest.approx(2 / 3)
+    assert result.restored.mean == pytest.approx(sum(restored) / 3)
+    assert result.restored.n == 3 and result.restored.ci_low <= result.restored.mean <= result.restored.ci_high
+    assert result.released.mean == pytest.approx((0.6 + 0.5 + 1.0) / 3)  # LCS 3 of 5, 2 of 4, all
+    assert prompt_restoration(originals, released, stub, seed=3).restored == result.restored  # seeded bootstrap
+    with pytest.raises(ValueError, match="one released text per original"):
+        prompt_restoration(originals, released[:2], stub)
+    with pytest.raises(ValueError, match="text"):
+        prompt_restoration(originals, released, stub, instruction="Rewrite it.")
+
+
+def test_the_chat_rewriter_answers_what_greedy_chat_generation_answers_one_message_at_a_time():
+    """Batched, left-padded decoding changes nothing: each answer is ChatModel.generate's at temperature 0."""
+    chat = ChatModel(tiny_causal_lm())
+    messages = [REWRITE_INSTRUCTION.replace("{text}", t) for t in ("the cat sat", "w5", "the cat sat on the mat w6")]
+    alone = [chat.generate([{"role": "user", "content": m}], max_tokens=6, temperature=0.0).text for m in messages]
+    assert chat_rewriter(chat, max_tokens=6, batch_size=2)(messages) == alone
+    assert all(len(chat.language_model.tokenizer(a, add_special_tokens=False)["input_ids"]) <= 6 for a in alone)
+    result = prompt_restoration(["the cat sat on the mat"], ["the w5 sat on the w6"], chat_rewriter(chat, max_tokens=6))
+    assert 0.0 <= result.restored.mean <= 1.0 and result.released.mean == pytest.approx(4 / 6)  # LCS 4 of 6 both ways
+    with pytest.raises(ValueError, match="max_tokens"):
+        chat_rewriter(chat, max_tokens=0)
+
+
+def test_on_smollm2_batched_rewrites_stop_where_greedy_chat_generation_stops(smollm2_lm):
+    """Rows of one batch end at different times: each is cut at its own end token, as ChatModel.generate ends it."""
+    chat = ChatModel(smollm2_lm)
+    messages = ["Say hi.", REWRITE_INSTRUCTION.replace("{text}", "the flight to boston was delayed again @united")]
+    alone = [chat.generate([{"role": "user", "content": m}], max_tokens=40, temperature=0.0) for m in messages]
+    assert any(g.finish_reason == "stop" for g in alone)  # at least one ends before the bound
+    assert chat_rewriter(chat, max_tokens=40)(messages) == [g.text for g in alone]

@@ -30,7 +30,9 @@ For two classes k-means on the normalised rows is exactly the sign split along w
 ``details["norm_auc"]`` (two classes) is the AUC of ||g|| as a score for label 1, the norm attack of
 Li et al. (2022, "Label leakage and protection in two-party split learning"): ||g|| = |p_1 - y| ||w_1 - w_0|| / B
 is large for examples the model gets wrong, which leaks the label when one class is rare or poorly fitted.
-An AUC far from 0.5 on either side leaks.
+An AUC far from 0.5 on either side leaks. :func:`label_inference_by_norm` turns that score into an attack: it
+thresholds ||g|| (the exact 2-means split of the norms, or the split that best separates the known rows) and names
+the two sides by the known labels, scored like the clustering attack on the other rows.
 
 Every result records the attack's wall time in ``details["seconds"]``.
 """
@@ -150,3 +152,80 @@ def label_inference_from_representation_gradients(
                                "seconds": time.perf_counter() - start}
     return AttackResult(name="label-inference-representation-gradient", successes=int(hits.sum()),
                         trials=int(hits.size), chance=float(np.mean(labels[scored_rows] == majority)), details=details)
+
+
+def _two_means_threshold(norms: np.ndarray) -> float:
+    """The split of sorted 1-D values that minimises the within-group sum of squares (exact 2-means), as a midpoint."""
+    values = np.sort(norms)
+    if values[0] == values[-1]:
+        return float(values[0])
+    n = values.size
+    prefix, prefix_sq = np.cumsum(values), np.cumsum(values ** 2)
+    left = np.arange(1, n)  # sizes of the low group
+    low_ss = prefix_sq[:-1] - prefix[:-1] ** 2 / left
+    high_ss = (prefix_sq[-1] - prefix_sq[:-1]) - (prefix[-1] - prefix[:-1]) ** 2 / (n - left)
+    cut = int(np.argmin(low_ss + high_ss))
+    return float((values[cut] + values[cut + 1]) / 2)
+
+
+def _known_threshold(norms: np.ndarray, labels: np.ndarray) -> float:
+    """The midpoint between consecutive known norms that best separates the known labels (either orientation)."""
+    order = np.argsort(norms)
+    values, ordered = norms[order], labels[order]
+    candidates = np.concatenate([[values[0] - 1.0], (values[:-1] + values[1:]) / 2, [values[-1] + 1.0]])
+    ones_below = np.concatenate([[0], np.cumsum(ordered)])  # label-1 rows at or below each candidate
+    below = np.arange(values.size + 1)
+    high_is_one = (below - ones_below) + (ordered.sum() - ones_below)  # 0 below, 1 above: right guesses
+    score = np.maximum(high_is_one, values.size - high_is_one)
+    return float(candidates[int(np.argmax(score))])
+
+
+def label_inference_by_norm(
+    gradients: ArrayLike,
+    true_labels: ArrayLike,
+    *,
+    known: int = 20,
+    split: str = "two-means",
+    seed: int = 0,
+) -> AttackResult:
+    """Guess two-class labels from ||dL/dh|| alone: threshold the norms, name each side from the known labels.
+
+    With g = (p_1 - y)(w_1 - w_0) / B, ||g|| = (1 - p_y) ||w_1 - w_0|| / B: a class the model fits worse has larger
+    norms. The threshold is the exact 2-means split of all the norms (``split="two-means"``, no label used), or the
+    one that best separates the known rows (``split="known"``). Each side is named by the majority label of the
+    known rows on it; a side with none gets the other class than the opposite side (both empty cannot happen).
+    The known rows are the first ``known`` of a permutation seeded by ``seed``; scored on the others only, with
+    ``chance`` the share of them the known rows' majority label gets right.
+    """
+    start = time.perf_counter()
+    grads = _matrix("gradients", gradients)
+    known = check_positive_int("known", known)
+    if split not in ("two-means", "known"):
+        raise ValueError(f"split must be 'two-means' or 'known', got {split!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    n = grads.shape[0]
+    if n < known + 1:
+        raise ValueError(f"gradients must have at least known + 1 = {known + 1} rows, got {n}")
+    labels = _labels("true_labels", true_labels, n, 2)
+    norms = np.linalg.norm(grads, axis=1)
+    order = np.random.default_rng(seed).permutation(n)
+    known_rows, scored_rows = order[:known], order[known:]
+    threshold = _two_means_threshold(norms) if split == "two-means" else \
+        _known_threshold(norms[known_rows], labels[known_rows])
+    side = (norms > threshold).astype(np.int64)  # 1: the high side
+    names = np.full(2, -1, dtype=np.int64)
+    for s in (0, 1):
+        inside = labels[known_rows][side[known_rows] == s]
+        if inside.size:
+            names[s] = int(np.bincount(inside, minlength=2).argmax())
+    for s in (0, 1):
+        if names[s] < 0:
+            names[s] = 1 - names[1 - s]
+    hits = names[side[scored_rows]] == labels[scored_rows]
+    majority = int(np.bincount(labels[known_rows], minlength=2).argmax())
+    details: dict[str, Any] = {"method": f"norm-threshold ({split})", "known": known, "threshold": threshold,
+                               "side_labels": {"low": int(names[0]), "high": int(names[1])},
+                               "norm_auc": _norm_auc(grads, labels, 2), "seconds": time.perf_counter() - start}
+    return AttackResult(name="label-inference-gradient-norm", successes=int(hits.sum()), trials=int(hits.size),
+                        chance=float(np.mean(labels[scored_rows] == majority)), details=details)

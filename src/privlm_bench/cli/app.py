@@ -21,7 +21,8 @@ bench_app = typer.Typer(help="Benchmarks: named sweeps that write results.json, 
 def registered_sweep(name: str) -> SweepEntry:
     """The sweep ``name``, once every system's sweeps have registered: imported here, when a command needs one, so
     that ``privlm`` does not load the sweeps (torch, peft, matplotlib) to start a server."""
-    from privlm_bench.baselines import registration as _baselines  # noqa: F401 - the sweeps register by name
+    from privlm_bench.attacks import registration as _attacks  # noqa: F401 - the sweeps register by name
+    from privlm_bench.baselines import registration as _baselines  # noqa: F401
     from privlm_bench.cape import registration as _cape  # noqa: F401
     from privlm_bench.chat import registration as _chat  # noqa: F401
     from privlm_bench.harness.registry import sweep_entry

@@ -37,17 +37,21 @@ def sample_text_tokens(model: SplitModel, texts: Sequence[str], *, n_tokens: int
     return torch.tensor([ids[i] for i in chosen], device=model.device)
 
 
-def _interpolate(grid: list[dict[str, float]], target: float) -> float:
-    """log(eta) linear in logit(rate) between the two grid points that bracket the target."""
+def interpolate_eta(points: Sequence[tuple[float, float]], target: float) -> float:
+    """log(eta) linear in logit(rate) between the two (eta, rate) points that bracket ``target`` (rates rising or
+    falling with eta); NaN when no two points bracket it."""
     def logit(p: float) -> float:
         p = min(max(p, 1e-6), 1 - 1e-6)
         return math.log(p / (1 - p))
-    points = sorted((g["eta"], g["rate"]) for g in grid)
-    for (eta_a, rate_a), (eta_b, rate_b) in pairwise(points):
-        if rate_a <= target <= rate_b and rate_b > rate_a:
+    for (eta_a, rate_a), (eta_b, rate_b) in pairwise(sorted(points)):
+        if min(rate_a, rate_b) <= target <= max(rate_a, rate_b) and rate_a != rate_b:
             t = (logit(target) - logit(rate_a)) / (logit(rate_b) - logit(rate_a))
             return math.exp(math.log(eta_a) + t * (math.log(eta_b) - math.log(eta_a)))
-    return math.nan  # not bracketed by the grid
+    return math.nan
+
+
+def _interpolate(grid: list[dict[str, float]], target: float) -> float:
+    return interpolate_eta([(g["eta"], g["rate"]) for g in grid], target)
 
 
 @torch.inference_mode()

@@ -1,0 +1,336 @@
+"""Inversion with a learned prior and a gradient term (after BiSR, Chen et al., CCS 2024), for split learning.
+
+**What the vendor sees, and what the gradient can add.** In SAP the customer releases rows X~ = M(f(E[t])) (f the
+bottom of k blocks, M the mechanism); the vendor computes h = top(X~) and the customer returns
+
+    g = dL/dh = W^T (softmax(W h + b) - onehot(y)) / B      (head at the customer), or dL/dlogits (head at the vendor).
+
+So g is a function of (h(X~), y, W, b), and the vendor already holds h(X~). Given the forward rows, the gradient
+says something about the tokens t only through the label y (and the head): for two classes it is the scalar
+(p_1 - y) ||w_1 - w_0|| / B along a fixed direction. Nothing in this setting says a gradient term must help.
+BiSR's gains come from its learned inversion built on the pre-trained weights, and from settings where the
+gradient is computed on clean activations (then g depends on f(E[t]) directly). Both ingredients are here, so
+that the gradient term can be measured, with and without.
+
+**1. Learned inversion (the pre-trained weights as prior).** The attacker runs the known pre-trained bottom on its
+own public text, applies the mechanism at the same eta, and fits a map from released rows to tokens
+(:func:`fit_inversion_model`). Per position i, with features u_i = [x_{i-w}; ..; x_{i+w}; 1] (zeros outside the
+sequence; w = ``window``):
+
+    A = argmin ||U A - E[t]||^2 + lambda ||A||^2     (ridge: predicted embedding row e^_i = u_i A; at k = 0,
+                                                      where the rows are embedding rows, e^_i = x_i may be used)
+    log q(t_i = v | X~) = -a_1 ||e^_i - E_v|| - a_2 ||e^_i - E_v||^2 / 2 + c log pi_v - log Z_i
+
+with pi the add-one token frequencies of the public text: the d_chi likelihood (exp(-eta ||z||)) and a Gaussian
+one, tilted by the token prior. (a_1, a_2, c) are fitted by maximum likelihood on a held-out fifth of the public
+positions (the ridge on the other four fifths), so the noise's temperature against the prior is learned, not
+guessed. Nearest neighbour is a_1 = inf.
+
+**2. Relaxed-token refinement with a gradient term** (:func:`gradient_inversion`). As in
+:mod:`~privlm.attacks.optimisation_inversion`: p_i = softmax(z_i / T), X = p E, with T annealed from T_0 to T_1,
+
+    loss(Z) = (1 / sum m) sum_i m_i ||f(X)_i - H_i||^2  +  lambda_g (1 / B) sum_b ||G(f(X))_b - g_b||^2 / ||g_b||^2
+
+where H are the observed rows, g the observed returned gradients, and G the attacker's model of what the customer
+would return for given cut rows (the top, the head and the label: ``gradient_forward``). lambda_g = 0 with random
+initial logits is exactly ``optimisation_inversion``. ``init_logits`` starts Z from T_0 log q, the learned
+inversion's posterior, so p starts at q.
+
+The bottom and G are only read: gradients are taken with ``torch.autograd.grad`` with respect to Z alone, and a
+``bottom_forward`` that is a module (or its bound method) is frozen in eval mode for the attack.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from privlm._validation import (
+    check_float_tensor,
+    check_non_negative_finite,
+    check_positive_finite,
+    check_positive_int,
+)
+from privlm.attacks._checks import check_ids, check_mask
+from privlm.attacks.optimisation_inversion import (
+    INIT_SCALE,
+    BottomForward,
+    _check_inputs,
+    _frozen,
+    _modules_of,
+    temperature_schedule,
+)
+from privlm.attacks.results import AttackResult
+from privlm.mechanisms.randomness import resolve_generator
+
+GradientForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(cut rows (b, L, d), attention mask (b, L), example indices (b,)) -> the customer's gradient (b, D)."""
+CALIBRATION_POSITIONS = 400  # held-out positions for the calibration: two (n, |V|) score matrices
+_TINY = 1e-12
+
+
+@dataclass(frozen=True)
+class InversionModel:
+    """Released rows -> log q(token | rows): the ridge map A, the calibration (a, c) and the log prior."""
+
+    weight: torch.Tensor | None  # ((2w + 1) d + 1, d); None: the identity map (rows already in embedding space)
+    vocabulary: torch.Tensor  # (|V|, d)
+    log_prior: torch.Tensor  # (|V|,)
+    weights: tuple[float, float, float]  # (a_1, a_2, c)
+    window: int
+
+    def log_posterior(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """log q (B, L, |V|) for released rows (B, L, d)."""
+        check_float_tensor("rows", rows, ndim=3)
+        predicted = rows if self.weight is None else \
+            _features(rows, attention_mask, self.window) @ self.weight.to(rows)
+        distance, square = _scores(predicted, self.vocabulary.to(predicted))
+        a_1, a_2, c = self.weights
+        return torch.log_softmax(a_1 * distance + a_2 * square + c * self.log_prior.to(predicted), dim=-1)
+
+
+def _features(rows: torch.Tensor, attention_mask: torch.Tensor, window: int) -> torch.Tensor:
+    """u_i = [x_{i-w}; ..; x_{i+w}; 1] per position (B, L, (2w + 1) d + 1); padding and outside rows are zero."""
+    rows = rows * attention_mask.unsqueeze(-1).to(rows)
+    padded = torch.nn.functional.pad(rows, (0, 0, window, window))
+    length = rows.shape[1]
+    parts = [padded[:, offset:offset + length] for offset in range(2 * window + 1)]
+    return torch.cat([*parts, torch.ones_like(rows[..., :1])], dim=-1)
+
+
+def _scores(predicted: torch.Tensor, vocabulary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-||e^ - E_v||, e^ . E_v - ||E_v||^2 / 2): the d_chi and the Gaussian log-likelihood, up to constants in v."""
+    square = predicted @ vocabulary.T - 0.5 * vocabulary.pow(2).sum(dim=-1)
+    distance = -(predicted.pow(2).sum(dim=-1, keepdim=True) - 2 * square).clamp_min(0).sqrt()
+    return distance, square
+
+
+def _ridge(features: torch.Tensor, targets: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin ||F A - Y||^2 + ridge ||A||^2, solved in float64."""
+    f, y = features.double(), targets.double()
+    gram = f.T @ f + ridge * torch.eye(f.shape[1], dtype=torch.float64, device=f.device)
+    return torch.linalg.solve(gram, f.T @ y).to(features.dtype)
+
+
+def _calibrate(scores: tuple[torch.Tensor, torch.Tensor], log_prior: torch.Tensor, ids: torch.Tensor
+               ) -> tuple[float, float, float]:
+    """(a_1, a_2, c) maximising sum log softmax(a_1 s_1 + a_2 s_2 + c log pi)[t] on held-out positions (L-BFGS).
+    The scores are standardised first and the weights kept in [-1e3, 1e3], so the search cannot overflow."""
+    units = [float(s.std().clamp_min(_TINY)) for s in scores]
+    standard = [s / unit for s, unit in zip(scores, units, strict=True)]
+    weights = torch.tensor([1.0, 0.0, 1.0], dtype=standard[0].dtype, requires_grad=True)
+    optimiser = torch.optim.LBFGS([weights], max_iter=40, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimiser.zero_grad()
+        w = weights.clamp(-1e3, 1e3)
+        loss = torch.nn.functional.cross_entropy(w[0] * standard[0] + w[1] * standard[1] + w[2] * log_prior, ids)
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimiser.step(closure)
+    a_1, a_2, c = weights.detach().clamp(-1e3, 1e3).tolist()
+    if not all(map(math.isfinite, (a_1, a_2, c))):
+        raise RuntimeError("the calibration of the learned inversion did not converge")
+    return a_1 / units[0], a_2 / units[1], c
+
+
+def fit_inversion_model(rows: torch.Tensor, attention_mask: torch.Tensor, true_ids: torch.Tensor,
+                        vocabulary: torch.Tensor, *, mask: torch.Tensor | None = None, linear_map: bool = True,
+                        window: int = 1, ridge: float = 1.0, smoothing: float = 1.0,
+                        generator: torch.Generator | None = None) -> InversionModel:
+    """Fit the learned inversion on the attacker's own (released rows, token ids) pairs of public text.
+
+    ``rows`` (N, L, d) are the attacker's simulated releases (its public text through the pre-trained bottom and
+    the mechanism); ``mask`` (default: the attention mask) selects the positions to learn from (e.g. without special
+    tokens). ``linear_map=False`` skips the ridge map (e^ = x), for rows that already live in the embedding space
+    (k = 0). A seeded fifth of the selected positions (at most :data:`CALIBRATION_POSITIONS`) calibrates (a, c);
+    the ridge map and the prior come from the rest.
+    """
+    check_float_tensor("rows", rows, ndim=3)
+    table = check_float_tensor("vocabulary", vocabulary, ndim=2).detach().to(rows)
+    if rows.shape[-1] != table.shape[-1]:
+        raise ValueError(f"rows have dimension {rows.shape[-1]} but vocabulary rows have {table.shape[-1]}")
+    ids = check_ids("true_ids", true_ids, shape=rows.shape[:2], vocab_size=table.shape[0]).to(rows.device)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
+        raise ValueError(f"attention_mask must be a tensor of shape {tuple(ids.shape)}")
+    counted = attention_mask.bool() if mask is None else check_mask("mask", mask, shape=ids.shape)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative integer, got {window!r}")
+    ridge = check_positive_finite("ridge", ridge)
+    smoothing = check_positive_finite("smoothing", smoothing)
+    features = _features(rows.detach(), attention_mask.to(rows.device), window)[counted.to(rows.device)]
+    targets = ids[counted.to(rows.device)]
+    n = targets.numel()
+    if n < 10:
+        raise ValueError(f"need at least 10 positions to learn from, got {n}")
+    order = torch.randperm(n, generator=resolve_generator(generator, torch.device("cpu"))).to(rows.device)
+    held = order[:min(n // 5, CALIBRATION_POSITIONS)]
+    fit = order[min(n // 5, CALIBRATION_POSITIONS):]
+    weight = _ridge(features[fit], table[targets[fit]], ridge) if linear_map else None
+    counts = torch.bincount(targets[fit], minlength=table.shape[0]).to(rows.dtype) + smoothing
+    log_prior = (counts / counts.sum()).log()
+    held_rows = features[held] @ weight if weight is not None else rows.detach()[counted.to(rows.device)][held]
+    weights = _calibrate(_scores(held_rows, table), log_prior, targets[held])
+    return InversionModel(weight=weight, vocabulary=table, log_prior=log_prior, weights=weights,
+                          window=window if linear_map else 0)
+
+
+def learned_inversion(observed: torch.Tensor, attention_mask: torch.Tensor, model: InversionModel,
+                      true_ids: torch.Tensor, *, mask: torch.Tensor | None = None,
+                      name: str | None = None) -> AttackResult:
+    """Guess argmax_v log q(v | observed) per position with a fitted :class:`InversionModel`; chance 1 / |V|."""
+    start = time.perf_counter()
+    ids, attention_mask, counted = _check_inputs(observed, attention_mask, model.vocabulary, true_ids, mask)
+    guess = model.log_posterior(observed.detach(), attention_mask).argmax(dim=-1).to(ids.device)
+    counted = counted.to(ids.device)
+    hits = guess[counted] == ids[counted]
+    return AttackResult(name=name or "learned-inversion", successes=int(hits.sum()), trials=int(hits.numel()),
+                        chance=1 / model.vocabulary.shape[0],
+                        details={"window": model.window, "linear_map": model.weight is not None,
+                                 "weights": list(model.weights), "seconds": time.perf_counter() - start})
+
+
+# --- the relaxed-token refinement, with a gradient term ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Objective:
+    bottom_forward: BottomForward
+    vocabulary: torch.Tensor
+    gradient_forward: GradientForward | None
+    gradient_weight: float
+
+
+def _gradient_term(objective: _Objective, rows: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor,
+                   observed: torch.Tensor) -> torch.Tensor:
+    """(1 / b) sum_b ||G(rows)_b - g_b||^2 / ||g_b||^2."""
+    assert objective.gradient_forward is not None
+    predicted = objective.gradient_forward(rows, attention_mask, index)
+    if predicted.shape != observed.shape:
+        raise ValueError(f"gradient_forward returned shape {tuple(predicted.shape)}, the observed gradients have "
+                         f"{tuple(observed.shape)}")
+    return ((predicted - observed).pow(2).sum(dim=-1) / observed.pow(2).sum(dim=-1).clamp_min(_TINY)).mean()
+
+
+def _refine_chunk(objective: _Objective, observed: torch.Tensor, attention_mask: torch.Tensor,
+                  gradients: torch.Tensor | None, index: torch.Tensor, init: torch.Tensor | None,
+                  schedule: list[float], lr: float, generator: torch.Generator) -> torch.Tensor:
+    """argmax of the optimised logits (b, L) for one chunk of examples."""
+    b, length, _ = observed.shape
+    table = objective.vocabulary
+    if init is None:  # the same draw as optimisation_inversion: weight 0 reproduces it exactly
+        logits = INIT_SCALE * torch.randn(b, length, table.shape[0], generator=generator, device=observed.device,
+                                          dtype=observed.dtype)
+    else:
+        logits = schedule[0] * init.to(observed).clone()
+    logits.requires_grad_(True)
+    optimiser = torch.optim.Adam([logits], lr=lr)
+    seen = attention_mask.bool()
+    for temperature in schedule:
+        words = torch.softmax(logits / temperature, dim=-1) @ table
+        output = objective.bottom_forward(words, attention_mask)
+        if output.shape != observed.shape:
+            raise ValueError(f"bottom_forward returned shape {tuple(output.shape)}, the observed outputs have "
+                             f"{tuple(observed.shape)}")
+        loss = (output - observed).pow(2).sum(dim=-1)[seen].mean()
+        if objective.gradient_weight > 0 and gradients is not None:
+            loss = loss + objective.gradient_weight * _gradient_term(objective, output, attention_mask, index,
+                                                                     gradients)
+        (logits.grad,) = torch.autograd.grad(loss, [logits])
+        optimiser.step()
+    return logits.detach().argmax(dim=-1)
+
+
+def _check_gradient_inputs(observed: torch.Tensor, observed_gradients: object, gradient_forward: object,
+                           gradient_weight: object, init_logits: object, vocab_size: int
+                           ) -> tuple[torch.Tensor | None, float, torch.Tensor | None]:
+    weight = check_non_negative_finite("gradient_weight", gradient_weight)
+    gradients = None
+    if weight > 0:
+        if not callable(gradient_forward):
+            raise ValueError("gradient_forward must be callable when gradient_weight > 0")
+        gradients = check_float_tensor("observed_gradients", observed_gradients, ndim=2).detach()
+        if gradients.shape[0] != observed.shape[0]:
+            raise ValueError(f"observed_gradients has {gradients.shape[0]} rows for {observed.shape[0]} examples")
+        gradients = gradients.to(observed)
+    init = None
+    if init_logits is not None:
+        init = check_float_tensor("init_logits", init_logits, ndim=3).detach()
+        if tuple(init.shape) != (*observed.shape[:2], vocab_size):
+            raise ValueError(f"init_logits has shape {tuple(init.shape)}, expected "
+                             f"{(*observed.shape[:2], vocab_size)}")
+    return gradients, weight, init
+
+
+def gradient_inversion(
+    observed: torch.Tensor,
+    attention_mask: torch.Tensor,
+    bottom_forward: BottomForward,
+    vocabulary: torch.Tensor,
+    true_ids: torch.Tensor,
+    *,
+    observed_gradients: torch.Tensor | None = None,
+    gradient_forward: GradientForward | None = None,
+    gradient_weight: float = 0.0,
+    init_logits: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    steps: int = 200,
+    lr: float = 0.03,
+    temperature: Sequence[float] = (1.0, 0.05),
+    batch_size: int = 32,
+    generator: torch.Generator | None = None,
+    name: str | None = None,
+) -> AttackResult:
+    """Recover the tokens behind ``observed`` from the forward rows and, with ``gradient_weight`` > 0, the returned
+    gradients ``observed_gradients`` (B, D), through ``gradient_forward`` (see :data:`GradientForward`; it gets the
+    rows the bottom would give for the relaxed tokens and the examples' indices into ``observed``).
+
+    ``init_logits`` (B, L, |V|), e.g. :meth:`InversionModel.log_posterior`, starts the relaxed tokens at that
+    posterior (random near-uniform logits otherwise). The other arguments are those of
+    :func:`~privlm.attacks.optimisation_inversion.optimisation_inversion`, which this equals at weight 0 without
+    ``init_logits``.
+    """
+    start = time.perf_counter()
+    ids, attention_mask, counted = _check_inputs(observed, attention_mask, vocabulary, true_ids, mask)
+    if not callable(bottom_forward):
+        raise ValueError(f"bottom_forward must be callable, got {type(bottom_forward).__name__}")
+    gradients, weight, init = _check_gradient_inputs(observed, observed_gradients, gradient_forward, gradient_weight,
+                                                     init_logits, vocabulary.shape[0])
+    schedule = temperature_schedule(temperature, check_positive_int("steps", steps))
+    lr = check_positive_finite("lr", lr)
+    batch_size = check_positive_int("batch_size", batch_size)
+    generator = resolve_generator(generator, observed.device)
+    objective = _Objective(bottom_forward=bottom_forward,
+                           vocabulary=vocabulary.detach().to(device=observed.device, dtype=observed.dtype),
+                           gradient_forward=gradient_forward, gradient_weight=weight)
+    target = observed.detach()
+    predictions = []
+    modules = _modules_of(bottom_forward) + _modules_of(gradient_forward)
+    with _frozen(modules), torch.enable_grad():
+        for first in range(0, target.shape[0], batch_size):
+            rows = slice(first, first + batch_size)
+            index = torch.arange(target.shape[0], device=target.device)[rows]
+            predictions.append(_refine_chunk(
+                objective, target[rows], attention_mask[rows], None if gradients is None else gradients[rows],
+                index, None if init is None else init[rows], schedule, lr, generator))
+    counted = counted.to(ids.device)
+    hits = torch.cat(predictions).to(ids.device)[counted] == ids[counted]
+    details: dict[str, Any] = {"steps": len(schedule), "lr": lr, "batch_size": batch_size,
+                               "temperature": (float(temperature[0]), float(temperature[1])),
+                               "gradient_weight": weight, "with_gradient_term": weight > 0,
+                               "init": "learned" if init is not None else "random",
+                               "vocab_size": int(vocabulary.shape[0]), "seconds": time.perf_counter() - start}
+    default = "gradient-inversion" if weight > 0 else "forward-inversion"
+    return AttackResult(name=name or default, successes=int(hits.sum()), trials=int(hits.numel()),
+                        chance=1 / vocabulary.shape[0], details=details)
+
+
+__all__ = ["CALIBRATION_POSITIONS", "GradientForward", "InversionModel", "fit_inversion_model", "gradient_inversion",
+           "learned_inversion"]

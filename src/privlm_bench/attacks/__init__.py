@@ -1,0 +1,1 @@
+"""privlm bench attacks: the strongest attacks on all three systems."""
