@@ -58,10 +58,10 @@ from privlm._validation import (
 )
 from privlm.attacks._checks import check_ids, check_mask
 from privlm.attacks.optimisation_inversion import (
-    INIT_SCALE,
     BottomForward,
     _check_inputs,
     _frozen,
+    _invert_chunk,
     _modules_of,
     temperature_schedule,
 )
@@ -222,30 +222,18 @@ def _gradient_term(objective: _Objective, rows: torch.Tensor, attention_mask: to
 def _refine_chunk(objective: _Objective, observed: torch.Tensor, attention_mask: torch.Tensor,
                   gradients: torch.Tensor | None, index: torch.Tensor, init: torch.Tensor | None,
                   schedule: list[float], lr: float, generator: torch.Generator) -> torch.Tensor:
-    """argmax of the optimised logits (b, L) for one chunk of examples."""
-    b, length, _ = observed.shape
-    table = objective.vocabulary
-    if init is None:  # the same draw as optimisation_inversion: weight 0 reproduces it exactly
-        logits = INIT_SCALE * torch.randn(b, length, table.shape[0], generator=generator, device=observed.device,
-                                          dtype=observed.dtype)
-    else:
-        logits = schedule[0] * init.to(observed).clone()
-    logits.requires_grad_(True)
-    optimiser = torch.optim.Adam([logits], lr=lr)
-    seen = attention_mask.bool()
-    for temperature in schedule:
-        words = torch.softmax(logits / temperature, dim=-1) @ table
-        output = objective.bottom_forward(words, attention_mask)
-        if output.shape != observed.shape:
-            raise ValueError(f"bottom_forward returned shape {tuple(output.shape)}, the observed outputs have "
-                             f"{tuple(observed.shape)}")
-        loss = (output - observed).pow(2).sum(dim=-1)[seen].mean()
-        if objective.gradient_weight > 0 and gradients is not None:
-            loss = loss + objective.gradient_weight * _gradient_term(objective, output, attention_mask, index,
-                                                                     gradients)
-        (logits.grad,) = torch.autograd.grad(loss, [logits])
-        optimiser.step()
-    return logits.detach().argmax(dim=-1)
+    """argmax of the optimised logits (b, L) for one chunk: optimisation_inversion's loop (the same random start
+    without ``init``, so weight 0 reproduces it), plus the gradient term."""
+    extra = None
+    if objective.gradient_weight > 0 and gradients is not None:
+        observed_gradients = gradients
+
+        def extra(output: torch.Tensor) -> torch.Tensor:
+            return objective.gradient_weight * _gradient_term(objective, output, attention_mask, index,
+                                                              observed_gradients)
+
+    return _invert_chunk(observed, attention_mask, objective.bottom_forward, objective.vocabulary, schedule, lr,
+                         generator, init=None if init is None else schedule[0] * init, extra_loss=extra)
 
 
 def _check_gradient_inputs(observed: torch.Tensor, observed_gradients: object, gradient_forward: object,

@@ -95,11 +95,16 @@ def _frozen(modules: list[torch.nn.Module]) -> Iterator[None]:
 
 def _invert_chunk(observed: torch.Tensor, attention_mask: torch.Tensor, bottom_forward: BottomForward,
                   vocabulary: torch.Tensor, schedule: list[float], lr: float,
-                  generator: torch.Generator) -> torch.Tensor:
-    """argmax of the optimised logits (b, L) for one chunk of examples."""
+                  generator: torch.Generator, *, init: torch.Tensor | None = None,
+                  extra_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """argmax of the optimised logits (b, L) for one chunk of examples. ``init``: starting logits (near-uniform
+    random ones otherwise); ``extra_loss(output)``: a term added to the loss (the gradient attack's)."""
     b, length, _ = observed.shape
-    logits = INIT_SCALE * torch.randn(b, length, vocabulary.shape[0], generator=generator,
-                                      device=observed.device, dtype=observed.dtype)
+    if init is None:
+        logits = INIT_SCALE * torch.randn(b, length, vocabulary.shape[0], generator=generator,
+                                          device=observed.device, dtype=observed.dtype)
+    else:
+        logits = init.to(observed).clone()
     logits.requires_grad_(True)
     optimiser = torch.optim.Adam([logits], lr=lr)
     seen = attention_mask.bool()
@@ -110,6 +115,8 @@ def _invert_chunk(observed: torch.Tensor, attention_mask: torch.Tensor, bottom_f
             raise ValueError(f"bottom_forward returned shape {tuple(output.shape)}, the observed outputs have "
                              f"{tuple(observed.shape)}")
         loss = (output - observed).pow(2).sum(dim=-1)[seen].mean()
+        if extra_loss is not None:
+            loss = loss + extra_loss(output)
         # autograd.grad, not backward(): no .grad lands on anything but Z, whatever bottom_forward closes over
         (logits.grad,) = torch.autograd.grad(loss, [logits])
         optimiser.step()
