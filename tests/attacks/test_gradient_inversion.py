@@ -120,6 +120,57 @@ def test_gradient_term_is_used_and_sees_the_example_indices(tiny_split, generato
     assert result.details["with_gradient_term"] is True and result.name == "gradient-inversion"
 
 
+def test_the_gradient_term_alone_recovers_the_tokens_when_the_gradient_sees_clean_rows(tiny_split):
+    """Forward rows that carry nothing (zeros) and a customer gradient computed on the clean cut rows, position by
+    position (g = flatten(f(E[t]) R)): weight 0 is near chance, a large weight recovers the tokens; gradients of
+    other tokens pull it to those instead."""
+    bottom, _ = tiny_split
+    g = make_generator(11)
+    ids, other = torch.randint(0, V, (4, L), generator=g), torch.randint(0, V, (4, L), generator=g)
+    attention = torch.ones_like(ids)
+    projection = torch.randn(D, D, generator=g)
+
+    def customer(rows: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return (rows @ projection).flatten(1)
+
+    with torch.no_grad():
+        observed = {name: customer(bottom(t, attention), attention, torch.arange(4)) for name, t in
+                    (("true", ids), ("other", other))}
+    far = torch.zeros(4, L, D)
+
+    def attack(weight: float, gradients: torch.Tensor) -> float:
+        return gradient_inversion(far, attention, bottom.forward_from_words, bottom.vocabulary, ids,
+                                  observed_gradients=gradients, gradient_forward=customer, gradient_weight=weight,
+                                  steps=50, generator=make_generator(12)).rate
+
+    without, with_term = attack(0.0, observed["true"]), attack(100.0, observed["true"])
+    assert without < 0.1 and with_term > 0.9
+    assert attack(100.0, observed["other"]) < 0.1
+
+
+def test_the_posterior_in_chunks_is_the_whole_posterior(tiny_split):
+    """log q computed a few examples at a time (window 1: features never cross examples) equals it in one block."""
+    bottom, _ = tiny_split
+    g = make_generator(14)
+    public, private = zipf_ids(60, g), zipf_ids(7, g)
+    model = fit_inversion_model(releases(bottom, public, 16.0, g), torch.ones_like(public), public,
+                                bottom.vocabulary, generator=make_generator(15))
+    observed, attention = releases(bottom, private, 16.0, g), torch.ones_like(private)
+    attention[2, -4:] = 0
+    whole = model.log_posterior(observed, attention, chunk_size=7)
+    for chunk in (1, 3):
+        torch.testing.assert_close(model.log_posterior(observed, attention, chunk_size=chunk), whole)
+    assert torch.equal(model.most_likely(observed, attention, chunk_size=3), whole.argmax(dim=-1))
+    with pytest.raises(ValueError, match="chunk_size"):
+        model.log_posterior(observed, attention, chunk_size=0)
+
+
+def test_learned_inversion_refuses_a_model_of_the_wrong_type(generator):
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="InversionModel"):
+        learned_inversion(torch.zeros(2, 4, D), torch.ones_like(ids), {"weights": (1.0, 0.0, 1.0)}, ids)
+
+
 def test_bottom_and_gradient_model_are_left_untouched(tiny_split, generator):
     bottom, top = tiny_split
     ids = torch.randint(0, V, (3, L), generator=generator)
@@ -137,6 +188,7 @@ def test_bottom_and_gradient_model_are_left_untouched(tiny_split, generator):
     ({"gradient_weight": -1.0}, "gradient_weight"),
     ({"gradient_weight": float("nan")}, "gradient_weight"),
     ({"gradient_weight": 1.0, "gradient_forward": None}, "gradient_forward"),
+    ({"gradient_forward": "top"}, "gradient_forward"),
     ({"gradient_weight": 1.0, "observed_gradients": None}, "observed_gradients"),
     ({"gradient_weight": 1.0, "observed_gradients": torch.ones(3, D)}, "observed_gradients"),
     ({"gradient_weight": 1.0, "observed_gradients": torch.full((2, D), float("inf"))}, "observed_gradients"),

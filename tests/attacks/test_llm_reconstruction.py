@@ -16,9 +16,8 @@ from privlm.attacks import (
     prompt_restoration,
     rank_candidates,
     rouge_l_f1,
-    rouge_words,
 )
-from privlm.models.chat import ChatModel
+from privlm.models.chat import ChatModel, ChatRequestError, ContextLengthError
 from tests.models.tiny import tiny_causal_lm, tiny_model
 
 
@@ -126,12 +125,6 @@ def test_on_smollm2_text_left_as_it_is_is_restored_and_context_names_the_missing
     assert tokenizer.decode([int(restored.restored[0][0])]).strip() != "banana"
 
 
-def test_rouge_words_are_rouge_scores_tokenisation():
-    assert rouge_words("Ask for Maria Novak, @United's 4068-6580!") == ["ask", "for", "maria", "novak", "united", "s",
-                                                                         "4068", "6580"]
-    assert rouge_words(" ,!? ") == []
-
-
 def test_prompt_restoration_scores_each_rewrite_and_each_release_by_rouge_l_against_its_original():
     originals = ["my card is 4068 6580", "ask for maria novak", "the flight was late"]
     released = ["my hat is 1111 6580", "ask for x y", "the flight was late"]
@@ -168,6 +161,19 @@ def test_the_chat_rewriter_answers_what_greedy_chat_generation_answers_one_messa
     assert 0.0 <= result.restored.mean <= 1.0 and result.released.mean == pytest.approx(4 / 6)  # LCS 4 of 6 both ways
     with pytest.raises(ValueError, match="max_tokens"):
         chat_rewriter(chat, max_tokens=0)
+
+
+def test_the_chat_rewriter_refuses_what_chat_generation_refuses():
+    """max_tokens must leave room for a prompt, and a prompt must leave max_tokens places: ChatModel's own checks."""
+    chat = ChatModel(tiny_causal_lm())
+    with pytest.raises(ChatRequestError, match="max_tokens"):
+        chat_rewriter(chat, max_tokens=chat.context_length)
+    long = " ".join(["w5"] * chat.context_length)
+    with pytest.raises(ContextLengthError) as refused:
+        chat.generate([{"role": "user", "content": long}], max_tokens=6)
+    with pytest.raises(ContextLengthError) as caught:
+        chat_rewriter(chat, max_tokens=6)(["w6", long])
+    assert str(caught.value) == str(refused.value)
 
 
 def test_on_smollm2_batched_rewrites_stop_where_greedy_chat_generation_stops(smollm2_lm):

@@ -231,3 +231,16 @@ def test_inputs_are_checked(world):
         DChiNoise(0.0)
     with pytest.raises(ValueError, match="noise"):
         estimate_eta(vocabulary[:10], vocabulary)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"noise": 3.0}, "noise must be a NoiseModel"),  # eta, not its law
+    ({"noise": "dchi"}, "noise must be a NoiseModel"),
+    ({"prior": [[1, 2, 3]]}, "prior must be a TokenPrior"),  # the texts, not the fitted prior
+    ({"prior": None}, "prior must be a TokenPrior"),
+])
+def test_a_noise_or_prior_of_the_wrong_type_is_named(world, change, expected):
+    vocabulary, prior, texts = world
+    args = {"noise": DChiNoise(3.0), "prior": prior, **change}
+    with pytest.raises(ValueError, match=expected):
+        lm_inversion(_release(vocabulary, texts[:2], 3.0), texts[:2], vocabulary, **args)

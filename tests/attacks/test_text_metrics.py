@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from privlm.attacks import effective_mapping_set_size, lcs_length, retention_ratio, rouge_l_f1, token_accuracy
+from privlm.attacks.text_metrics import rouge_words
 
 
 def _brute_force_lcs(a, b):
@@ -102,3 +103,9 @@ def test_effective_mapping_set_size_rejects_bad_input():
         effective_mapping_set_size(lambda n: [1] * n, n=0)
     with pytest.raises(ValueError, match="samples"):
         effective_mapping_set_size([])
+
+
+def test_rouge_words_are_rouge_scores_tokenisation():
+    assert rouge_words("Ask for Maria Novak, @United's 4068-6580!") == ["ask", "for", "maria", "novak", "united", "s",
+                                                                         "4068", "6580"]
+    assert rouge_words(" ,!? ") == []

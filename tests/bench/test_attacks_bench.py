@@ -8,9 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from privlm.attacks import AttackResult, score_result
-from privlm_bench.attacks.data import luhn_digit, plant_canaries, span_token_positions
+from privlm.models.prompts import PromptTokens
+from privlm_bench.attacks.data import canary_recovered, luhn_digit, plant_canaries
 from privlm_bench.attacks.report import (
     calibration,
     exposure,
@@ -20,6 +22,9 @@ from privlm_bench.attacks.report import (
     verdicts,
 )
 from privlm_bench.attacks.rows import attack_row
+from privlm_bench.chat.quality import span_positions
+from privlm_bench.chat.quality_prompts import Span
+from privlm_bench.data.spans import span_token_positions
 from privlm_bench.snd.calibration import interpolate_eta
 
 
@@ -58,6 +63,27 @@ def test_span_positions_pick_the_tokens_that_overlap_the_secret() -> None:
     assert span_token_positions(offsets, 3, 9) == [2, 3]
     assert span_token_positions(offsets, 8, 11) == [3, 4]
     assert span_token_positions(offsets, 20, 25) == []
+
+
+def test_the_chat_bench_marks_span_tokens_by_the_same_overlap_rule() -> None:
+    """One rule for both benches: a token is in a span when its non-empty characters overlap it, so a zero-width
+    token inside a span is not (it carries none of the secret)."""
+    text = "I am Ann Lee from Rome"
+    offsets = ((0, 1), (2, 4), (5, 8), (8, 8), (9, 12), (13, 17), (18, 22))
+    tokens = PromptTokens(text=text, ids=tuple(range(len(offsets))), spans=offsets,
+                          non_sensitive=(False,) * len(offsets), unknown=(False,) * len(offsets), uncovered=())
+    spans = [Span(start=18, end=22, kind="place", text="Rome"), Span(start=5, end=12, kind="name", text="Ann Lee")]
+    assert span_positions(tokens, spans) == [2, 4, 6]
+    assert span_positions(tokens, spans) == sorted({i for s in spans for i in span_token_positions(offsets, s.start,
+                                                                                                     s.end)})
+
+
+def test_a_canary_is_recovered_only_when_every_token_of_its_span_is_right() -> None:
+    truth = [5, 6, 7, 8]
+    assert canary_recovered([0, 6, 7, 0], truth, [1, 2])
+    assert canary_recovered(torch.tensor([0, 6, 7, 0]), torch.tensor(truth), [1, 2])
+    assert not canary_recovered([0, 6, 0, 8], truth, [1, 2])
+    assert not canary_recovered(truth, truth, [])  # a secret with no token left is not recovered
 
 
 def _row(role: str, successes: int, trials: int = 1000, *, level: float = 50.0, target: str = "tokens",

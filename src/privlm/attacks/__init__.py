@@ -35,7 +35,6 @@ from privlm.attacks.llm_reconstruction import (
     llm_reconstruction,
     prompt_restoration,
     rank_candidates,
-    rouge_words,
 )
 from privlm.attacks.lm_inversion import (
     CausalLMPrior,
@@ -62,6 +61,7 @@ from privlm.attacks.text_metrics import (
     lcs_length,
     retention_ratio,
     rouge_l_f1,
+    rouge_words,
     token_accuracy,
 )
 

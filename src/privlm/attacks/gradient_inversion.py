@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,7 @@ from privlm.mechanisms.randomness import resolve_generator
 GradientForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(cut rows (b, L, d), attention mask (b, L), example indices (b,)) -> the customer's gradient (b, D)."""
 CALIBRATION_POSITIONS = 400  # held-out positions for the calibration: two (n, |V|) score matrices
+POSTERIOR_CHUNK = 16  # examples per log-posterior block: 16 x 64 x 30522 float32 is 125 MB per temporary
 _TINY = 1e-12
 
 
@@ -84,9 +85,24 @@ class InversionModel:
     weights: tuple[float, float, float]  # (a_1, a_2, c)
     window: int
 
-    def log_posterior(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """log q (B, L, |V|) for released rows (B, L, d)."""
+    def log_posterior(self, rows: torch.Tensor, attention_mask: torch.Tensor, *,
+                      chunk_size: int = POSTERIOR_CHUNK) -> torch.Tensor:
+        """log q (B, L, |V|) for released rows (B, L, d), ``chunk_size`` examples at a time: the scores need a few
+        (chunk, L, |V|) temporaries, not (B, L, |V|) ones."""
+        return torch.cat(list(self._blocks(rows, attention_mask, chunk_size)))
+
+    def most_likely(self, rows: torch.Tensor, attention_mask: torch.Tensor, *,
+                    chunk_size: int = POSTERIOR_CHUNK) -> torch.Tensor:
+        """argmax_v log q(v | rows) (B, L), without holding the whole (B, L, |V|) posterior."""
+        return torch.cat([block.argmax(dim=-1) for block in self._blocks(rows, attention_mask, chunk_size)])
+
+    def _blocks(self, rows: torch.Tensor, attention_mask: torch.Tensor, chunk_size: int) -> Iterator[torch.Tensor]:
         check_float_tensor("rows", rows, ndim=3)
+        chunk_size = check_positive_int("chunk_size", chunk_size)
+        for first in range(0, rows.shape[0], chunk_size):
+            yield self._log_posterior(rows[first:first + chunk_size], attention_mask[first:first + chunk_size])
+
+    def _log_posterior(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         predicted = rows if self.weight is None else \
             _features(rows, attention_mask, self.window) @ self.weight.to(rows)
         distance, square = _scores(predicted, self.vocabulary.to(predicted))
@@ -187,8 +203,10 @@ def learned_inversion(observed: torch.Tensor, attention_mask: torch.Tensor, mode
                       name: str | None = None) -> AttackResult:
     """Guess argmax_v log q(v | observed) per position with a fitted :class:`InversionModel`; chance 1 / |V|."""
     start = time.perf_counter()
+    if not isinstance(model, InversionModel):
+        raise ValueError(f"model must be an InversionModel (from fit_inversion_model), got {type(model).__name__}")
     ids, attention_mask, counted = _check_inputs(observed, attention_mask, model.vocabulary, true_ids, mask)
-    guess = model.log_posterior(observed.detach(), attention_mask).argmax(dim=-1).to(ids.device)
+    guess = model.most_likely(observed.detach(), attention_mask).to(ids.device)
     counted = counted.to(ids.device)
     hits = guess[counted] == ids[counted]
     return AttackResult(name=name or "learned-inversion", successes=int(hits.sum()), trials=int(hits.numel()),
@@ -240,9 +258,12 @@ def _check_gradient_inputs(observed: torch.Tensor, observed_gradients: object, g
                            gradient_weight: object, init_logits: object, vocab_size: int
                            ) -> tuple[torch.Tensor | None, float, torch.Tensor | None]:
     weight = check_non_negative_finite("gradient_weight", gradient_weight)
+    if gradient_forward is not None and not callable(gradient_forward):
+        raise ValueError(f"gradient_forward must be callable (a GradientForward), got "
+                         f"{type(gradient_forward).__name__}")
     gradients = None
     if weight > 0:
-        if not callable(gradient_forward):
+        if gradient_forward is None:
             raise ValueError("gradient_forward must be callable when gradient_weight > 0")
         gradients = check_float_tensor("observed_gradients", observed_gradients, ndim=2).detach()
         if gradients.shape[0] != observed.shape[0]:

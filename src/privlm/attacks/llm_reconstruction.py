@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,8 +48,8 @@ import torch
 
 from privlm._validation import check_positive_int
 from privlm.attacks.results import AttackResult, ScoreResult, score_result
-from privlm.attacks.text_metrics import rouge_l_f1
-from privlm.models.chat import ChatModel
+from privlm.attacks.text_metrics import rouge_l_f1, rouge_words
+from privlm.models.chat import ChatModel, check_sampling
 from privlm.models.kv_cache import cache_of, with_cache
 
 if TYPE_CHECKING:
@@ -206,19 +205,19 @@ Rewriter = Callable[[Sequence[str]], Sequence[str]]
 """The attacker's chat model: user messages in, its answers out, in order."""
 
 
-def rouge_words(text: str) -> list[str]:
-    """Rouge's words (rouge-score's default tokenisation): lower case, each maximal run of [a-z0-9] one word."""
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
 def chat_rewriter(chat: ChatModel, *, max_tokens: int = 96, batch_size: int = 16) -> Rewriter:
     """``chat``'s greedy answers (no randomness) of at most ``max_tokens`` tokens, ``batch_size`` messages a pass.
 
     The messages are rendered by ``chat``'s template (:meth:`ChatModel.prompt_ids`), left-padded into one batch
     and decoded greedily by the model's own ``generate`` until each meets an end token or ``max_tokens``: what
     :meth:`ChatModel.generate` at temperature 0 answers, but a batch at a time (a decode step of a small model costs
-    nearly the same for one row as for sixteen)."""
-    max_tokens, batch_size = check_positive_int("max_tokens", max_tokens), check_positive_int("batch_size", batch_size)
+    nearly the same for one row as for sixteen). ``max_tokens`` and each prompt's length are checked as
+    :meth:`ChatModel.stream` checks them: a :class:`~privlm.models.chat.ChatRequestError` (a ValueError), or its
+    subclass :class:`~privlm.models.chat.ContextLengthError` for a prompt that leaves fewer than ``max_tokens``
+    places in the context."""
+    max_tokens = check_sampling(max_tokens=max_tokens, temperature=0.0, top_p=1.0, stop=(),
+                                context_length=chat.context_length).max_tokens
+    batch_size = check_positive_int("batch_size", batch_size)
     model: Any = chat.language_model.model  # a Hugging Face causal LM: its generate()
     tokenizer = chat.language_model.tokenizer
     eos = sorted(chat.eos_ids)
@@ -228,7 +227,8 @@ def chat_rewriter(chat: ChatModel, *, max_tokens: int = 96, batch_size: int = 16
     def rewrite(messages: Sequence[str]) -> list[str]:
         answers: list[str] = []
         for start in range(0, len(messages), batch_size):
-            prompts = [chat.prompt_ids([{"role": "user", "content": m}]) for m in messages[start:start + batch_size]]
+            prompts = [chat.checked_prompt_ids([{"role": "user", "content": m}], max_tokens=max_tokens)
+                       for m in messages[start:start + batch_size]]
             width = max(len(p) for p in prompts)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=chat.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=chat.device)

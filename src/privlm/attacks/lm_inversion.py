@@ -353,6 +353,7 @@ def estimate_eta(released: torch.Tensor, vocabulary: torch.Tensor, *, clip_norm:
 # --- priors --------------------------------------------------------------------------------------------------
 
 
+@runtime_checkable
 class TokenPrior(Protocol):
     """A left-to-right distribution over token sequences: a state per prefix."""
 
@@ -560,6 +561,12 @@ def lm_inversion(released: Sequence[torch.Tensor], true_ids: Sequence[torch.Tens
     if shortlist > vocab_size:
         raise ValueError(f"shortlist must be <= the vocabulary size {vocab_size}, got {shortlist}")
     prior_weight = check_non_negative_finite("prior_weight", prior_weight)
+    if not isinstance(noise, NoiseModel):
+        raise ValueError(f"noise must be a NoiseModel (e.g. DChiNoise or ReleasedTokenNoise: a log_likelihood "
+                         f"method), got {type(noise).__name__}")
+    if not isinstance(prior, TokenPrior):
+        raise ValueError(f"prior must be a TokenPrior (e.g. NGramPrior or CausalLMPrior: vocab_size, start, "
+                         f"next_log_probs and extend), got {type(prior).__name__}")
     if prior.vocab_size != vocab_size:
         raise ValueError(f"the prior's vocabulary has {prior.vocab_size} tokens, the rows' {vocab_size}")
     truths = []

@@ -4,11 +4,13 @@ Rouge-L (Lin 2004) on token sequences r (reference, length m) and h (hypothesis,
 
     P = LCS(r, h) / n,   R = LCS(r, h) / m,   F1 = 2 P R / (P + R)   (0 when LCS = 0),
 
-where LCS is the length of the longest common subsequence (tokens in order, gaps allowed).
+where LCS is the length of the longest common subsequence (tokens in order, gaps allowed). On text, the tokens
+are Rouge's own words (:func:`rouge_words`, rouge-score's default tokenisation).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
@@ -59,6 +61,11 @@ def rouge_l_f1(reference: TokenSequence, hypothesis: TokenSequence) -> float:
         return 0.0
     precision, recall = lcs / len(hyp), lcs / len(ref)
     return 2 * precision * recall / (precision + recall)
+
+
+def rouge_words(text: str) -> list[str]:
+    """Rouge's words (rouge-score's default tokenisation): lower case, each maximal run of [a-z0-9] one word."""
+    return re.findall(r"[a-z0-9]+", text.lower())
 
 
 def _rectangular(name: str, value: object) -> np.ndarray:

@@ -165,11 +165,17 @@ class ChatModel:
         """
         options = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
                                  context_length=self.context_length)
-        ids = self.prompt_ids(messages)
-        limit = self.context_length - options.max_tokens
-        if len(ids) > limit:
-            raise ContextLengthError(len(ids), limit, options.max_tokens, self.context_length)
+        ids = self.checked_prompt_ids(messages, max_tokens=options.max_tokens)
         return self._decode(ids, options, resolve_generator(generator, self.device))
+
+    def checked_prompt_ids(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int) -> list[int]:
+        """:meth:`prompt_ids`, refused (:class:`ContextLengthError`) when they leave fewer than ``max_tokens``
+        places in the model's context."""
+        ids = self.prompt_ids(messages)
+        limit = self.context_length - max_tokens
+        if len(ids) > limit:
+            raise ContextLengthError(len(ids), limit, max_tokens, self.context_length)
+        return ids
 
     def generate(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, stop: Sequence[str] = (), generator: torch.Generator | None = None

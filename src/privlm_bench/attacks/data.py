@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from privlm.data import TextDataset, load_fortunes, load_tweets, load_wordnet, split_dataset
+
+if TYPE_CHECKING:
+    import torch
 
 CANARY_KINDS = ("card", "name")
 _FIRST = ("Maria", "James", "Aisha", "Wei", "Olga", "Diego", "Fatima", "Lars", "Priya", "Kofi", "Elena", "Tomasz")
@@ -79,10 +83,11 @@ def plant_canaries(texts: Sequence[str], *, n: int, seed: int) -> tuple[Planted,
     return tuple(planted)
 
 
-def span_token_positions(offsets: Sequence[tuple[int, int]], start: int, end: int) -> list[int]:
-    """Positions of the tokens whose character span (``offsets``, as a fast tokenizer's ``offset_mapping``) overlaps
-    [start, end); special tokens (empty spans) never do."""
-    return [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
+def canary_recovered(guess: Sequence[int] | torch.Tensor, truth: Sequence[int] | torch.Tensor,
+                     positions: Sequence[int]) -> bool:
+    """Exact recovery of a secret: its span has tokens (``positions`` into ``guess`` and ``truth``) and the top-1
+    guess is right at every one of them."""
+    return bool(positions) and all(int(guess[p]) == int(truth[p]) for p in positions)
 
 
 def attack_texts(*, n_test: int, n_canaries: int = 20, seed: int = 0, public_limit: int | None = None

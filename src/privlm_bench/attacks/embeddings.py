@@ -41,8 +41,9 @@ from privlm.baselines.text2text import release_nearest
 from privlm.mechanisms import DChiLaplace, make_generator, nearest_neighbours
 from privlm.models import SplitModel
 from privlm.snd.privatizer import SnDPrivatizer
-from privlm_bench.attacks.data import AttackTexts, span_token_positions
+from privlm_bench.attacks.data import AttackTexts, canary_recovered
 from privlm_bench.attacks.rows import Row, attack_row
+from privlm_bench.data.spans import span_token_positions
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,8 @@ def fit_prior(tokenizer: Any, public: Sequence[str], vocab_size: int, *, order: 
 
 def _canaries(guesses: Sequence[torch.Tensor], attacked: Attacked, truth: Sequence[torch.Tensor], name: str
               ) -> AttackResult:
-    hits = 0
-    for where, guess, true in zip(attacked.canary_positions, guesses[attacked.n_test:], truth[attacked.n_test:],
-                                  strict=True):
-        index = torch.tensor(where, dtype=torch.long)
-        hits += bool(where) and bool((guess.cpu()[index] == true.cpu()[index]).all())
+    hits = sum(canary_recovered(guess.cpu(), true.cpu(), where) for where, guess, true in
+               zip(attacked.canary_positions, guesses[attacked.n_test:], truth[attacked.n_test:], strict=True))
     return AttackResult(name=name, successes=hits, trials=len(attacked.canary_positions), chance=None)
 
 

@@ -74,12 +74,13 @@ from privlm.models.language import LanguageModel
 from privlm.models.perturbation import PerturbedPrompt
 from privlm.models.prompts import NonSensitiveTokens, tokenize_prompt
 from privlm.models.text_mechanisms import MechanismContext, text_mechanism
-from privlm_bench.attacks.data import AttackTexts, Planted, attack_texts, span_token_positions
+from privlm_bench.attacks.data import AttackTexts, Planted, attack_texts
 from privlm_bench.attacks.rows import Row, attack_row
 from privlm_bench.cape.sweep import TokenView
 from privlm_bench.chat.load import CALIBRATION_PROMPTS
 from privlm_bench.chat.quality import verbatim
 from privlm_bench.chat.quality_prompts import Span
+from privlm_bench.data.spans import span_token_positions
 from privlm_bench.sap.sweep import AIRLINES, airline_of
 
 SYSTEM = "cape"

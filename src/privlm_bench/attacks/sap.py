@@ -60,9 +60,10 @@ from privlm.sap.customer import Customer
 from privlm.sap.messages import CustomerMessage
 from privlm.sap.privatizer import EmbeddingPrivatizer
 from privlm.sap.vendor import Vendor
-from privlm_bench.attacks.data import attack_texts, span_token_positions
+from privlm_bench.attacks.data import attack_texts, canary_recovered
 from privlm_bench.attacks.embeddings import fit_prior
 from privlm_bench.attacks.rows import Role, Row, attack_row
+from privlm_bench.data.spans import span_token_positions
 from privlm_bench.sap.sweep import _Observed, _stack
 
 SYSTEM = "sap"
@@ -152,7 +153,7 @@ def _canaries(guess: torch.Tensor, sample: Any, planted: Sequence[Any], offsets:
         positions = span_token_positions(spans, canary.start, canary.end)
         length = int(sample.attention_mask[i].sum())
         whole = positions and max(positions) < length - 1  # cut by max_length ([SEP] last): it did not all leave
-        hits += bool(whole and all(int(guess[i, p]) == int(sample.true_ids[i, p]) for p in positions))
+        hits += bool(whole) and canary_recovered(guess[i], sample.true_ids[i], positions)
     return AttackResult(name=name, successes=hits, trials=len(planted), chance=None,
                         details={"criterion": "every token of the secret's span top-1"})
 
@@ -236,7 +237,7 @@ def sap_rows(*, quick: bool, seed: int, eta: float = ETA_K0) -> list[Row]:
                      for result, facts in refined.values()]
         else:  # on step 0's examples (the optimisations are slow): the same examples for every attack
             strongest = learned
-            canary_guess = model.log_posterior(planted.values, planted.attention_mask).argmax(dim=-1)
+            canary_guess = model.most_likely(planted.values, planted.attention_mask)
             roles: tuple[tuple[str, Role], ...] = (("uniform", "before"), ("without", "strongest"), ("with", "other"))
             for key, role in roles:
                 result, facts = refined[key]

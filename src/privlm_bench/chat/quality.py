@@ -84,6 +84,7 @@ from privlm.service.process import free_port
 from privlm_bench.cape.sweep import CapeBench, CapeSetting, TokenView
 from privlm_bench.chat.load import CALIBRATION_PROMPTS, running, serve_llm_args
 from privlm_bench.chat.quality_prompts import PROMPTS_FILE, QualityPrompt, Span, read_prompts
+from privlm_bench.data.spans import span_token_positions
 from privlm_bench.harness.json_values import from_json
 from privlm_bench.harness.probes import classification_metrics
 
@@ -174,9 +175,8 @@ def with_placeholders(prompt: QualityPrompt) -> str:
 
 
 def span_positions(tokens: PromptTokens, spans: Sequence[Span]) -> list[int]:
-    """Token positions whose characters overlap a marked span."""
-    return [i for i, (start, end) in enumerate(tokens.spans)
-            if any(start < s.end and s.start < end for s in spans)]
+    """Token positions whose characters overlap a marked span (:func:`span_token_positions`, span by span)."""
+    return sorted({i for s in spans for i in span_token_positions(tokens.spans, s.start, s.end)})
 
 
 def mean_and_error(values: Sequence[float]) -> tuple[float, float]:
