@@ -248,3 +248,46 @@ class ModuleOrGroupScheduling(LoadGroupScheduling):
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleOrGroupScheduling | None:
     return ModuleOrGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+# --- PostgreSQL: a real server (`.ci/run` starts one; else each worker starts its own), a fresh database per test --
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """The URL of a PostgreSQL server whose user may create databases: ``$PRIVLM_TEST_POSTGRES_URL``, or a server
+    started here (no PostgreSQL installed: the test fails and says how to install it)."""
+    from privlm_bench.harness.postgres import URL_ENV, PostgresMissingError, PostgresServer
+
+    if os.environ.get(URL_ENV):
+        yield os.environ[URL_ENV]
+        return
+    server = PostgresServer()
+    try:
+        url = server.start()
+    except PostgresMissingError as error:
+        pytest.fail(str(error))
+    try:
+        yield url
+    finally:
+        server.stop(mode="immediate")
+        import shutil
+
+        shutil.rmtree(server.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> Iterator[str]:
+    """A new, empty database on :func:`postgres_server`, dropped after the test."""
+    import uuid
+
+    import psycopg
+
+    name = f"privlm_test_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    url = postgres_server.rsplit("/", 1)[0] + "/" + name
+    yield url
+    from privlm.accounting.database import close_pools
+
+    close_pools(url)
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -62,17 +62,17 @@ def test_the_gateway_command_serves_private_chat(smollm2_lm, stub, tmp_path):
 
 
 def test_chat_memory_settings(tmp_path):
-    from privlm.cli.gateway import _conversation_memory
+    from privlm.gateway.settings import conversation_memory
 
-    ledger = tmp_path / "ledger.sqlite"
-    assert _conversation_memory(("off", 30.0, 10), ledger_path=ledger) is None
-    beside = _conversation_memory(("auto", 30.0, 10), ledger_path=ledger)
+    ledger = str(tmp_path / "ledger.sqlite")
+    assert conversation_memory("off", days=30.0, max_entries=10, ledger=ledger) is None
+    beside = conversation_memory("auto", days=30.0, max_entries=10, ledger=ledger)
     assert beside is not None and beside.path == tmp_path / "ledger.sqlite.memory" and beside.max_entries == 10
     assert beside.ttl == 30 * 86_400
-    for setting, ledger_path in ((("auto", 1.0, 10), None), (("process", 1.0, 10), ledger)):
-        memory = _conversation_memory(setting, ledger_path=ledger_path)
+    for where, ledger_location in (("auto", None), ("process", ledger)):
+        memory = conversation_memory(where, days=1.0, max_entries=10, ledger=ledger_location)
         assert memory is not None and memory.path is None  # this process only
-    chosen = _conversation_memory((str(tmp_path / "m.sqlite"), 1.0, 10), ledger_path=None)
+    chosen = conversation_memory(str(tmp_path / "m.sqlite"), days=1.0, max_entries=10, ledger=None)
     assert chosen is not None and chosen.path == tmp_path / "m.sqlite"
 
 

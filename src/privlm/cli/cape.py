@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from privlm.cli.root import app, console
-
-if TYPE_CHECKING:
-    from privlm.models.text_mechanisms import TextMechanism
 
 # What a chat epsilon is, for every command that takes one (its unit is the mechanism's: they print it).
 EPSILON_HELP = "Epsilon per perturbed token, on the mechanism's own scale."
 # The registry's names (a test keeps them equal), written out so that --help needs no model code loaded.
 MECHANISM_NAMES = ("cape, cape-distance, cape-unbucketed, cape-public, cape-public-fast, santext, santext+, custext, "
                    "custext+, inferdpt, text2text, dp-prompt")
-
-def require_logit_bound(mechanism: TextMechanism, logit_bound: Path | None) -> None:
-    """Refuse, before any model loads, a mechanism that reads Cape's B when no --logit-bound is given."""
-    if mechanism.needs_logit_bound and logit_bound is None:
-        raise ValueError("Cape needs its logit bound B: run `privlm cape calibrate PROMPTS_FILE` on public sample "
-                         "prompts and pass --logit-bound logit_bound.json")
-
 
 cape_app = typer.Typer(help="Cape: perturb a prompt on this machine before it goes to a chat API.",
                        no_args_is_help=True)
@@ -84,6 +74,7 @@ def cape_perturb(
     import privlm.baselines
     import privlm.cape  # noqa: F401 (Cape's variants register by name)
     from privlm.cape import LogitBound
+    from privlm.gateway.settings import require_logit_bound
     from privlm.mechanisms import make_generator
     from privlm.models.language import LanguageModel
     from privlm.models.text_mechanisms import MechanismContext, build_mechanism, check_epsilon, text_mechanism

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -21,21 +20,9 @@ from privlm.cli.snd import (
 )
 
 if TYPE_CHECKING:
-    from privlm.cape import LogitBound
-    from privlm.cape.service.memory import ConversationMemory
-    from privlm.gateway import ChatSetup, EmbeddingsSetup
-    from privlm.models.language import LanguageModel
+    from privlm.gateway.settings import GatewaySettings
 
-
-def _positive(value: float | None, flag: str) -> None:
-    from privlm._validation import check_positive_finite
-
-    if value is None:
-        return
-    try:
-        check_positive_finite(flag, value)
-    except ValueError:
-        raise typer.BadParameter(f"must be finite and > 0, got {value}", param_hint=flag) from None
+_Made = TypeVar("_Made")
 
 
 @app.command()
@@ -79,7 +66,8 @@ def gateway(
     chat_budget: Annotated[float | None, typer.Option(help="Chat: privacy budget per API key, in the mechanism's "
                                                            "ledger unit (the sound per-request totals add up); "
                                                            "none: unlimited.")] = None,
-    chat_ledger: Annotated[Path | None, typer.Option(help="Chat: SQLite ledger of --chat-budget (default: "
+    chat_ledger: Annotated[str | None, typer.Option(help="Chat: ledger of --chat-budget: a SQLite file, or a "
+                                                          "postgresql:// URL shared by replicas (default: "
                                                           "$PRIVLM_CACHE/ledger-chat-<unit>.sqlite).")] = None,
     guardrail: Annotated[bool, typer.Option("--guardrail/--no-guardrail", help="Chat: also serve LiteLLM's generic "
                                                                                "guardrail API (it charges the ids "
@@ -99,8 +87,9 @@ def gateway(
                                           "where an answer quotes a replacement (locally, no privacy cost; a "
                                           "request can say otherwise).")] = False,
     chat_memory: Annotated[str, typer.Option(help="Chat: conversation memory (a text released once is released "
-                                             "again identically, free): auto (beside the chat ledger, else for this "
-                                             "process only), process, off, or a SQLite file.")] = "auto",
+                                             "again identically, free): auto (beside the chat ledger, in its database "
+                                             "if it has one, else for this process only), process, off, a SQLite "
+                                             "file, or a postgresql:// URL.")] = "auto",
     chat_memory_days: Annotated[float, typer.Option(help="Chat: memory entries expire this long after their last "
                                                          "use.")] = 30.0,
     chat_memory_max_entries: Annotated[int, typer.Option(help="Chat: most entries kept (the least recently used "
@@ -134,16 +123,27 @@ def gateway(
     budget: Annotated[float | None, typer.Option(help="Embeddings: privacy budget per API key, in eta-tokens (eta "
                                                       "summed over every token row released); none: unlimited.")
                       ] = None,
-    ledger: Annotated[Path | None, typer.Option(help="Embeddings: SQLite ledger of --budget (default: one per server "
-                                                     "model, $PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
+    ledger: Annotated[str | None, typer.Option(help="Embeddings: ledger of --budget: a SQLite file, or a "
+                                                     "postgresql:// URL (default: one per server model, "
+                                                     "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
+    ledger_secret: Annotated[Path | None, typer.Option(help="The secret file that names API keys in a ledger on "
+                                                            "PostgreSQL (and its memory): every replica and machine "
+                                                            "needs the same one (default: one in $PRIVLM_CACHE per "
+                                                            "database; a SQLite ledger's is <file>.secret).")
+                             ] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm\\[ray]): replicas that "
+                                                    "share the ledgers (a SQLite file: one machine only).")] = False,
+    replicas: Annotated[int, typer.Option(help="With --ray: number of replicas (each loads the device model).")
+                        ] = 1,
+    replica_cpus: Annotated[float, typer.Option(help="With --ray: CPUs reserved per replica.")] = 1.0,
+    ray_address: Annotated[str | None, typer.Option(help="With --ray: join this cluster (default: start one).")] = None,
     max_in_flight: MaxInFlightOption = 32,
     docs: DocsOption = False,
     allow_keyless: AllowKeylessOption = False,
 ) -> None:
     """One local OpenAI-compatible gateway: private /v1/embeddings (SnD, with --server and --eta), private
     /v1/chat/completions and a LiteLLM guardrail (with --chat-upstream and --epsilon)."""
-    from privlm.gateway import create_privacy_gateway
-    from privlm.service import run_service
+    from privlm.gateway.settings import ChatSettings, EmbeddingsSettings, GatewaySettings
     from privlm.service.auth import GATEWAY_API_KEYS_ENV
 
     if server is None and chat_upstream is None:
@@ -152,180 +152,83 @@ def gateway(
     keys = _load_keys(api_key, api_key_file, GATEWAY_API_KEYS_ENV)
     service = _service_options(host=host, keys=keys, allow_keyless=allow_keyless, docs=docs,
                                max_in_flight=max_in_flight)
-    embeddings = None if server is None else _embeddings_setup(
-        server, eta=eta, server_key=_load_server_key(server_api_key, server_api_key_file), denoiser=denoiser,
-        truncate=truncate, max_request_tokens=max_request_tokens, budget=budget, ledger=ledger, shared=not keys)
-    chat = None if chat_upstream is None else _chat_setup(
-        chat_upstream, key_env=chat_upstream_key_env, epsilon=epsilon, mechanism=mechanism, logit_bound=logit_bound,
-        device_model=device_model, models=chat_model, perturb_system=perturb_system,
-        perturb_tool_results=perturb_tool_results, non_text_parts=non_text_parts,
-        report_in_body=report_in_body, message_names=message_names,
-        extract_model=extract_model if extract else None, budget=chat_budget,
-        ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge, audit_log=audit_log,
-        guardrail_max_in_flight=guardrail_max_in_flight,
-        restore=restore, memory=(chat_memory, chat_memory_days, chat_memory_max_entries),
-        max_prompt_tokens=max_prompt_tokens, upstream_limits=(upstream_timeout, upstream_idle_timeout,
-                                                              max_upstream_answer_bytes),
-        device=device, shared=not keys, device_model_int8=device_model_int8)
-    try:
-        gateway_app = create_privacy_gateway(embeddings=embeddings, chat=chat, api_keys=keys, **service)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
+    server_key = None if server is None else _load_server_key(server_api_key, server_api_key_file)
+    # In this process, the keys just read; with --ray, as `privlm serve --ray`: those of the command line and the
+    # environment travel through Ray, a key file is read by each replica on its node (Ray stores what it carries).
+    # A key file is read where the gateway is built (with --ray: by each replica, on its node).
+    file_read_there = ray and server_api_key_file is not None
+    embeddings = None if server is None else _made(lambda: EmbeddingsSettings(
+        server, eta=eta, server_api_key=None if file_read_there else server_key,
+        server_api_key_file=str(server_api_key_file) if file_read_there else None, denoiser=denoiser,
+        truncate=truncate, max_request_tokens=max_request_tokens, budget=budget, ledger=ledger))
+    chat = None if chat_upstream is None else _made(lambda: ChatSettings(
+        chat_upstream, epsilon=epsilon, upstream_key_env=chat_upstream_key_env, mechanism=mechanism,
+        logit_bound=None if logit_bound is None else str(logit_bound), device_model=device_model,
+        device_model_int8=device_model_int8, models=tuple(chat_model or ()), perturb_system=perturb_system,
+        perturb_tool_results=perturb_tool_results, non_text_parts=non_text_parts, report_in_body=report_in_body,
+        message_names=message_names, extract_model=extract_model if extract else None, budget=chat_budget,
+        ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge,
+        guardrail_max_in_flight=guardrail_max_in_flight, audit_log=None if audit_log is None else str(audit_log),
+        restore=restore, memory=chat_memory, memory_days=chat_memory_days,
+        memory_max_entries=chat_memory_max_entries, max_prompt_tokens=max_prompt_tokens,
+        upstream_timeout=upstream_timeout, upstream_idle_timeout=upstream_idle_timeout,
+        max_upstream_answer_bytes=max_upstream_answer_bytes))
+    hosts = service.get("allowed_hosts")
+    settings = _made(lambda: GatewaySettings(
+        embeddings=embeddings, chat=chat, device=device,
+        api_keys=_load_keys(api_key, None, GATEWAY_API_KEYS_ENV) if ray else keys,
+        api_key_file=str(api_key_file) if ray and api_key_file else None, docs=docs,
+        allowed_hosts=None if hosts is None else tuple(hosts), max_in_flight=service.get("max_in_flight"),
+        ledger_secret=None if ledger_secret is None else str(ledger_secret)))
+    if ray:
+        _gateway_with_ray(settings, host=host, port=port, replicas=replicas, replica_cpus=replica_cpus,
+                          address=ray_address, shared=not keys)
+        return
+    _serve_in_process(settings, host=host, port=port)
+
+
+def _serve_in_process(settings: GatewaySettings, *, host: str, port: int) -> None:
+    from privlm.gateway.settings import build, build_setups
+    from privlm.service import run_service
+
+    setups = _made(lambda: build_setups(settings), only_settings=True)  # a server's refusal: the CLI's own error
+    for note in setups.notes:
+        console.print(note)
+    gateway_app = _made(lambda: build(settings, setups))
     run_service(gateway_app, host=host, port=port)
 
 
-def _embeddings_setup(server: str, *, eta: float | None, server_key: str | None, denoiser: str, truncate: bool,
-                      max_request_tokens: int, budget: float | None, ledger: Path | None, shared: bool
-                      ) -> EmbeddingsSetup:
-    from privlm.accounting import Ledger
-    from privlm.gateway import EmbeddingsSetup
-    from privlm.mechanisms import PrivacyUnit
-    from privlm.models.sources import cache_dir
-    from privlm.snd import Client
-
-    if eta is None:
-        raise typer.BadParameter("--server needs --eta", param_hint="--eta")
-    _positive(budget, "--budget")
-    if ledger is not None and budget is None:
-        raise typer.BadParameter("a ledger needs a budget", param_hint="--budget")
-    client = Client(server, eta=eta, api_key=server_key, denoiser=None if denoiser == "none" else denoiser)
-    if budget is not None:
-        # One ledger per embedding space by default: eta-tokens of different models bound different distances.
-        path = ledger or cache_dir() / f"ledger-snd-{client.model.fingerprint[:16]}.sqlite"
-        client.ledger = Ledger(path, budgets={PrivacyUnit.ETA_TOKEN: budget})
-        console.print(f"Embeddings budget: {budget:g} eta-tokens per API key"
-                      f"{' (no --api-key: every caller shares one budget)' if shared else ''}, ledger {path}")
-    return EmbeddingsSetup(client=client, truncate=truncate, max_request_tokens=max_request_tokens)
-
-
-def _chat_setup(upstream_url: str, *, key_env: str, epsilon: float | None, mechanism: str, logit_bound: Path | None,
-                device_model: str, models: list[str] | None, perturb_system: bool, perturb_tool_results: bool,
-                non_text_parts: str,
-                report_in_body: bool, message_names: str, extract_model: str | None, budget: float | None,
-                ledger: Path | None,
-                guardrail: bool, guardrail_charge: str, audit_log: Path | None, max_prompt_tokens: int,
-                upstream_limits: tuple[float, float, int], device: str, shared: bool,
-                guardrail_max_in_flight: int | None = None, restore: bool = False,
-                memory: tuple[str, float, int] = ("auto", 30.0, 100_000),
-                device_model_int8: bool = False) -> ChatSetup:
-    import privlm.baselines
-    import privlm.cape  # noqa: F401 (Cape's variants register by name)
-    from privlm.cape import LogitBound
-    from privlm.cape.service.chat import ChatOptions
-    from privlm.cape.service.guardrail import CHARGE_TO, GUARDRAIL_MAX_IN_FLIGHT
-    from privlm.cape.service.messages import MESSAGE_NAMES
-    from privlm.cli.cape import require_logit_bound
-    from privlm.gateway import ChatSetup, mechanism_privacy
-    from privlm.models.sources import cache_dir
-    from privlm.models.text_mechanisms import check_epsilon, text_mechanism
-    from privlm.service.audit import AuditLog
-    from privlm.service.upstream import ChatUpstream
-
-    if epsilon is None:
-        raise typer.BadParameter("--chat-upstream needs --epsilon (per perturbed token)", param_hint="--epsilon")
-    _positive(budget, "--chat-budget")
-    deadline, idle_timeout, max_answer_bytes = upstream_limits
-    _positive(deadline, "--upstream-timeout")
-    _positive(idle_timeout, "--upstream-idle-timeout")
-    if max_answer_bytes < 1:
-        raise typer.BadParameter(f"must be >= 1, got {max_answer_bytes}", param_hint="--max-upstream-answer-bytes")
-    if non_text_parts not in ("refuse", "pass"):
-        raise typer.BadParameter("must be refuse or pass", param_hint="--non-text-parts")
-    names = next((choice for choice in MESSAGE_NAMES if choice == message_names), None)
-    if names is None:
-        raise typer.BadParameter("must be drop, perturb or refuse", param_hint="--message-names")
-    charge = next((choice for choice in CHARGE_TO if choice == guardrail_charge), None)
-    if charge is None:
-        raise typer.BadParameter(f"must be one of {', '.join(CHARGE_TO)}", param_hint="--guardrail-charge")
-    if guardrail_max_in_flight is not None and guardrail_max_in_flight < 1:
-        raise typer.BadParameter(f"must be >= 1, got {guardrail_max_in_flight}", param_hint="--guardrail-max-in-flight")
-    if ledger is not None and budget is None:
-        raise typer.BadParameter("a ledger needs a budget", param_hint="--chat-budget")
+def _gateway_with_ray(settings: GatewaySettings, *, host: str, port: int, replicas: int, replica_cpus: float,
+                      address: str | None, shared: bool) -> None:
+    """Resolve once what every replica shares (the upstream's models, the ledgers' locations), then serve."""
+    shared_settings = _made(settings.for_replicas)
     try:
-        chosen = text_mechanism(mechanism)
-        check_epsilon(epsilon, name="--epsilon")
-        require_logit_bound(chosen, logit_bound)
-        bound = LogitBound.load(logit_bound) if logit_bound is not None else None
-        upstream = ChatUpstream(upstream_url, api_key=os.environ.get(key_env) or None, deadline=deadline,
-                                idle_timeout=idle_timeout, max_answer_bytes=max_answer_bytes)
-        audit = AuditLog(audit_log) if audit_log is not None else None
-        model = _device_model(device_model, device=device, int8=device_model_int8, bound=bound)
-        # One default ledger per unit: switching between mechanisms of one unit keeps every key's spend.
-        path = None if budget is None else ledger or cache_dir() / f"ledger-chat-{chosen.unit}.sqlite"
-        privacy = mechanism_privacy(chosen.name, model, epsilon=epsilon, logit_bound=bound, budget=budget,
-                                    ledger_path=path, max_prompt_tokens=max_prompt_tokens)
-        conversations = _conversation_memory(memory, ledger_path=path)
-    except OSError as error:  # a --logit-bound, --chat-ledger or --audit-log that cannot be read or written
-        raise typer.BadParameter(f"{error.strerror or error}: {error.filename}") from None
+        from privlm.gateway.ray import gateway_application, run_blocking
+    except ImportError as error:
+        raise typer.BadParameter(str(error), param_hint="--ray") from None
+    application = _made(lambda: gateway_application(shared_settings, replicas=replicas, replica_cpus=replica_cpus,
+                                                    device=settings.device))
+    for location in shared_settings.shared_files():
+        typer.echo(f"Warning: {location} is a SQLite file: the replicas of this machine share it, those of other "
+                   "machines could not. On a multi-node cluster, give a PostgreSQL ledger (--chat-ledger or --ledger "
+                   "postgresql://...).", err=True)
+    if (chat := shared_settings.chat) is not None and chat.budget is not None:
+        console.print(f"Chat budget: {chat.budget:g} per API key"
+                      f"{' (no --api-key: every caller shares one budget)' if shared else ''}, ledger {chat.ledger}, "
+                      f"shared by {replicas} replica(s)")
+    run_blocking(application, host=host, port=port, name="privlm-gateway", address=address)
+
+
+def _made(make: Callable[[], _Made], *, only_settings: bool = False) -> _Made:
+    """``make()``, with a bad setting as a usage error naming its flag, as every command's bad flags are; also any
+    other ``ValueError`` unless ``only_settings``."""
+    from privlm.gateway.settings import SettingError
+
+    try:
+        return make()
+    except SettingError as error:
+        raise typer.BadParameter(error.problem, param_hint=error.flag) from None
     except ValueError as error:
+        if only_settings:
+            raise
         raise typer.BadParameter(str(error)) from None
-    if budget is not None:
-        console.print(f"Chat budget: {budget:g} {privacy.unit} per API key"
-                      f"{' (no --api-key: every caller shares one budget)' if shared else ''}, ledger {path}")
-    extractor = None
-    if extract_model is not None:
-        from privlm.cape.service.extraction import AnswerExtractor
-        from privlm.models.chat import ChatModel
-
-        extractor = AnswerExtractor(ChatModel.from_pretrained(extract_model, device=device))
-    listed = list(models or []) or asyncio.run(_upstream_models(upstream_url, key_env))
-    parts: Literal["refuse", "pass"] = "pass" if non_text_parts == "pass" else "refuse"
-    return ChatSetup(privacy=privacy, upstream=upstream, models=listed,
-                     options=ChatOptions(perturb_system=perturb_system, perturb_tool_results=perturb_tool_results,
-                                         non_text_parts=parts,
-                                         report_in_body=report_in_body, message_names=names, restore=restore),
-                     memory=conversations, audit=audit, extractor=extractor, guardrail=guardrail,
-                     guardrail_charge=charge,
-                     guardrail_max_in_flight=guardrail_max_in_flight or GUARDRAIL_MAX_IN_FLIGHT)
-
-
-def _device_model(name: str, *, device: str, int8: bool, bound: LogitBound | None) -> LanguageModel:
-    """The chat's device model; with --device-model-int8 its int8 copy (CPU only), which B must have been
-    calibrated on: a bound holds for the weights it was calibrated on, and the int8 model's are others."""
-    from privlm.models.device import resolve_device
-    from privlm.models.language import LanguageModel
-
-    if int8 and (resolved := resolve_device(device)).type != "cpu":
-        raise typer.BadParameter(f"int8 dynamic quantization runs on the CPU only, and --device {device} is "
-                                 f"{resolved}: add --device cpu, or leave out --device-model-int8",
-                                 param_hint="--device-model-int8")
-    model = LanguageModel.from_pretrained(name, device=device)
-    if not int8:
-        return model
-    model = model.quantize_int8()
-    if bound is not None:
-        try:
-            bound.check_model(model.weights_fingerprint)
-        except ValueError:
-            raise typer.BadParameter("this logit bound was calibrated on another model than the int8 device model; "
-                                     "calibrate it on the int8 model: `privlm cape calibrate PROMPTS --int8`",
-                                     param_hint="--logit-bound") from None
-    return model
-
-
-def _conversation_memory(setting: tuple[str, float, int], *, ledger_path: Path | None) -> ConversationMemory | None:
-    """--chat-memory: auto (beside the ledger, ``<ledger>.memory``; else this process only), process, off, or a
-    file."""
-    from privlm.cape.service.memory import ConversationMemory
-
-    where, days, max_entries = setting
-    _positive(days, "--chat-memory-days")
-    if where == "off":
-        return None
-    if where == "auto":
-        path = None if ledger_path is None else ledger_path.with_name(ledger_path.name + ".memory")
-    else:
-        path = None if where == "process" else Path(where)
-    return ConversationMemory(path, ttl_seconds=days * 86_400, max_entries=max_entries)
-
-
-async def _upstream_models(url: str, key_env: str) -> list[str]:
-    """The upstream's model list, asked once at start (on a client of its own: the event loop ends here)."""
-    from privlm.service.upstream import ChatUpstream
-
-    probe = ChatUpstream(url, api_key=os.environ.get(key_env) or None)
-    try:
-        return await probe.models()
-    finally:
-        await probe.aclose()
-

@@ -109,15 +109,17 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
 
 def mechanism_privacy(mechanism: str, device_model: LanguageModel, *, epsilon: float,
                       logit_bound: float | LogitBound | None, budget: float | None = None,
-                      ledger_path: str | Path | None = None, max_prompt_tokens: int = 8192) -> PromptPrivacy:
+                      ledger_path: str | Path | None = None, ledger_secret: str | Path | None = None,
+                      max_prompt_tokens: int = 8192) -> PromptPrivacy:
     """The privacy step of any token-level mechanism by name (:meth:`PromptPrivacy.of`), on ``device_model``.
 
-    With ``budget``: a ledger at ``ledger_path`` with that budget per principal, in the unit the mechanism
-    registered.
+    With ``budget``: a ledger at ``ledger_path`` (a SQLite file or a ``postgresql://`` URL, whose secret file is
+    ``ledger_secret``) with that budget per principal, in the unit the mechanism registered.
     """
     if (budget is None) != (ledger_path is None):
         raise ValueError("a budget needs a ledger path, and a ledger path a budget")
     unit = text_mechanism(mechanism).unit
-    ledger = Ledger(ledger_path, budgets={unit: budget}) if budget is not None and ledger_path is not None else None
+    ledger = (Ledger(ledger_path, budgets={unit: budget}, secret=ledger_secret)
+              if budget is not None and ledger_path is not None else None)
     return PromptPrivacy.of(mechanism, device_model, epsilon=epsilon, logit_bound=logit_bound, ledger=ledger,
                             max_prompt_tokens=max_prompt_tokens)

@@ -19,6 +19,7 @@ A system's factory takes the same options as ``**options: Unpack[ServiceOptions]
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -29,13 +30,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from privlm._validation import check_positive_finite, check_positive_int
-from privlm.accounting import BudgetExhaustedError
+from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError
 from privlm.service.auth import BearerKeys
 from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response
 from privlm.service.hosts import ANY_HOST, HostCheckMiddleware
 from privlm.service.limits import BODY_TIMEOUT, MAX_IN_FLIGHT, BodyLimitMiddleware, Lane, RefusalAnswer
 from privlm.service.metrics import RequestMetricsMiddleware, ServiceMetrics
 from privlm.wire import WireError
+
+logger = logging.getLogger("privlm.service")
 
 Lifespan = Callable[[FastAPI], Any]
 
@@ -118,6 +121,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = {"x-privlm-budget-remaining": f"{error.remaining:.6g}", "x-should-retry": "false"}
         return error_response(429, str(error), type="insufficient_quota", param=f"{error.unit} budget",
                               code="budget_exhausted", headers=headers)
+
+    @app.exception_handler(DatabaseUnavailableError)
+    async def ledger_unavailable(_: Request, error: DatabaseUnavailableError) -> JSONResponse:
+        # The database stays unnamed to callers; the log says which. Nothing was charged: a retry may succeed.
+        logger.warning("%s", error)
+        return error_response(503, "the privacy ledger is unavailable; nothing was charged or sent upstream",
+                              type="server_error", code="ledger_unavailable", headers={"retry-after": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid_json(_: Request, error: RequestValidationError) -> JSONResponse:

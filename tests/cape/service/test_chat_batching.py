@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from privlm.accounting import BudgetExhaustedError, Ledger
@@ -240,7 +239,8 @@ def test_the_int8_device_model_needs_a_bound_calibrated_on_it(smollm2_lm, tmp_pa
     """`privlm gateway --device-model-int8`: a bound calibrated on the fp32 model is refused, one from `privlm cape
     calibrate --int8` is taken, and a GPU device is refused before any model loads."""
     from privlm.cli import app
-    from privlm.cli.gateway import _device_model
+    from privlm.gateway.settings import SettingError
+    from privlm.gateway.settings import device_model as _device_model
 
     prompts = tmp_path / "public.txt"
     prompts.write_text("What is the capital of France?\nWrite a short poem about the sea.\n")
@@ -251,12 +251,12 @@ def test_the_int8_device_model_needs_a_bound_calibrated_on_it(smollm2_lm, tmp_pa
     model = _device_model("smollm2", device="cpu", int8=True, bound=int8_bound)
     assert model.quantized and model.weights_fingerprint == int8_bound.model_fingerprint
     fp32_bound = LogitBound(value=B, model_fingerprint=smollm2_lm.weights_fingerprint)
-    with pytest.raises(typer.BadParameter, match="privlm cape calibrate PROMPTS --int8"):
+    with pytest.raises(SettingError, match="privlm cape calibrate PROMPTS --int8"):
         _device_model("smollm2", device="cpu", int8=True, bound=fp32_bound)
     assert not _device_model("smollm2", device="cpu", int8=False, bound=fp32_bound).quantized
 
     import privlm.models.device
 
     monkeypatch.setattr(privlm.models.device, "resolve_device", lambda device: torch.device("cuda"))
-    with pytest.raises(typer.BadParameter, match="CPU only"):
+    with pytest.raises(SettingError, match="CPU only"):
         _device_model("smollm2", device="cuda", int8=True, bound=int8_bound)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import stat
 
+import pytest
+
 from privlm.cape.service.memory import ConversationMemory, EarlierRelease
 from privlm.cape.service.restore import ReplacedSpan
 
@@ -70,3 +72,20 @@ def test_beyond_the_bound_the_least_recently_used_go_first():
     clock.now += 1
     memory.remember_releases("alice", [("c", EarlierRelease("C"))])
     assert memory.releases("alice", ["a", "b", "c"]) == [EarlierRelease("A"), None, EarlierRelease("C")]
+
+
+def test_replicas_on_one_postgresql_database_share_the_memory(postgres_url, tmp_path):
+    secret = tmp_path / "ledger.secret"
+    first, second = (ConversationMemory(postgres_url, secret=secret) for _ in range(2))  # two gateway replicas
+    first.remember_releases("alice", [(ORIGINAL, RELEASE)])
+    assert second.releases("alice", [ORIGINAL, "another text"]) == [RELEASE, None]
+    assert second.releases("bob", [ORIGINAL]) == [None]
+    second.remember_releases("alice", [(ORIGINAL, EarlierRelease("Patient X has pneumonia"))])  # replaced, not doubled
+    assert len(first) == 1 and first.releases("alice", [ORIGINAL]) == [EarlierRelease("Patient X has pneumonia")]
+    other = ConversationMemory(postgres_url, secret=tmp_path / "other.secret")
+    assert other.releases("alice", [ORIGINAL]) == [None]  # another secret: a miss, never a wrong release
+
+
+def test_a_postgresql_memory_needs_the_file_of_its_secret(postgres_url):
+    with pytest.raises(ValueError, match="secret"):
+        ConversationMemory(postgres_url)

@@ -16,8 +16,9 @@ A release is kept only once the upstream has received it (the caller's job): kep
 could go up free while the first request, never sent, is refunded.
 
 Entries expire ``ttl_seconds`` after their last use, and the oldest used go first beyond ``max_entries``; an
-expired text is released afresh (and charged again). The store is SQLite, in a file (kept across restarts;
-its secret beside it, ``<file>.secret``) or in this process's memory only.
+expired text is released afresh (and charged again). The store is a :mod:`~privlm.accounting.database`: a SQLite
+file (kept across restarts; its secret beside it, ``<file>.secret``), a PostgreSQL database shared by every
+gateway replica (its secret a file each replica is given: the ledger's), or SQLite in this process's memory only.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ import asyncio
 import dataclasses
 import json
 import logging
-import sqlite3
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from privlm._validation import check_positive_finite, check_positive_int
+from privlm.accounting import DatabaseUnavailableError
+from privlm.accounting.database import Database, SqliteDatabase, open_database
 from privlm.accounting.principals import PrincipalHasher, secret_path_of
 from privlm.cape.service.privacy import PrivateTexts
 from privlm.cape.service.restore import ReplacedSpan, replaced_spans
@@ -45,14 +45,9 @@ logger = logging.getLogger(__name__)
 MAX_ENTRIES = 100_000
 TTL_SECONDS = 30 * 86_400.0
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS memory (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL,
-    used REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS memory_used ON memory (used);
-"""
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS memory (key TEXT PRIMARY KEY, value TEXT NOT NULL, "
+           "used DOUBLE PRECISION NOT NULL)",
+           "CREATE INDEX IF NOT EXISTS memory_used ON memory (used)")
 
 
 @dataclass(frozen=True)
@@ -72,37 +67,29 @@ class EarlierRelease:
 
 
 class ConversationMemory:
-    """The store (see the module doc). ``path``: a SQLite file, or None for this process only. Blocking."""
+    """The store (see the module doc). ``location``: a SQLite file, a ``postgresql://`` URL (with ``secret``, the
+    file of its secret), or None for this process only. Blocking."""
 
-    def __init__(self, path: str | Path | None = None, *, max_entries: int = MAX_ENTRIES,
-                 ttl_seconds: float = TTL_SECONDS, clock: Callable[[], float] = time.time) -> None:
-        self.path = None if path is None else Path(path)
+    def __init__(self, location: str | Path | None = None, *, secret: str | Path | None = None,
+                 max_entries: int = MAX_ENTRIES, ttl_seconds: float = TTL_SECONDS,
+                 clock: Callable[[], float] = time.time) -> None:
         self.max_entries = check_positive_int("max_entries", max_entries)
         self.ttl = check_positive_finite("ttl_seconds", ttl_seconds)
         self.clock = clock
-        if self.path is None:
-            self._hasher = PrincipalHasher.ephemeral()
+        self._database: Database = open_database(location)
+        self.location = self._database.location
+        file = self._database.path if isinstance(self._database, SqliteDatabase) else None
+        self.path = file  # None: in a server's database, or in this process's memory
+        if secret is None and location is not None and file is None:
+            raise ValueError(f"the conversation memory at {self.location} needs the file of its secret (every "
+                             "replica that shares it must use the same one)")
+        if secret is not None:
+            self._hasher = PrincipalHasher.from_file(Path(secret))
+        elif file is not None:
+            self._hasher = PrincipalHasher.from_file(secret_path_of(file))
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._hasher = PrincipalHasher.from_file(secret_path_of(self.path))
-        self._db = sqlite3.connect(":memory:" if self.path is None else self.path, check_same_thread=False,
-                                   isolation_level=None, timeout=30.0)
-        self._lock = threading.Lock()
-        with self._lock:
-            if self.path is not None:
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+            self._hasher = PrincipalHasher.ephemeral()
+        self._database.create_schema(_SCHEMA)
 
     def _key(self, principal: str, text: str) -> str:
         return self._hasher.digest(f"release\0{principal}\0{text}")
@@ -110,24 +97,24 @@ class ConversationMemory:
     def _get(self, keys: Sequence[str]) -> list[str | None]:
         now = self.clock()
         found: dict[str, str] = {}
-        with self._transaction() as db:
+        with self._database.transaction() as session:
             for key in dict.fromkeys(keys):
-                row = db.execute("SELECT value FROM memory WHERE key = ? AND used >= ?",
-                                 (key, now - self.ttl)).fetchone()
-                if row is not None:
-                    found[key] = row[0]
-                    db.execute("UPDATE memory SET used = ? WHERE key = ?", (now, key))
+                rows = session.execute("SELECT value FROM memory WHERE key = ? AND used >= ?", (key, now - self.ttl))
+                if rows:
+                    found[key] = rows[0][0]
+                    session.execute("UPDATE memory SET used = ? WHERE key = ?", (now, key))
         return [found.get(key) for key in keys]
 
     def _put(self, items: Sequence[tuple[str, str]]) -> None:
         now = self.clock()
-        with self._transaction() as db:
-            db.executemany("INSERT OR REPLACE INTO memory VALUES (?, ?, ?)", [(k, v, now) for k, v in items])
-            db.execute("DELETE FROM memory WHERE used < ?", (now - self.ttl,))
-            (count,) = db.execute("SELECT COUNT(*) FROM memory").fetchone()
+        with self._database.transaction() as session:
+            session.execute_many("INSERT INTO memory VALUES (?, ?, ?) ON CONFLICT (key) DO UPDATE SET "
+                                 "value = excluded.value, used = excluded.used", [(k, v, now) for k, v in items])
+            session.execute("DELETE FROM memory WHERE used < ?", (now - self.ttl,))
+            (count,), = session.execute("SELECT COUNT(*) FROM memory")
             if count > self.max_entries:
-                db.execute("DELETE FROM memory WHERE key IN (SELECT key FROM memory ORDER BY used LIMIT ?)",
-                           (count - self.max_entries,))
+                session.execute("DELETE FROM memory WHERE key IN (SELECT key FROM memory ORDER BY used LIMIT ?)",
+                                (count - self.max_entries,))
 
     def releases(self, principal: str, texts: Sequence[str]) -> list[EarlierRelease | None]:
         """The earlier release of each text by ``principal`` (None: not released before, or expired)."""
@@ -140,12 +127,11 @@ class ConversationMemory:
         self._put([(self._key(principal, text), release.to_json()) for text, release in released])
 
     def __len__(self) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM memory").fetchone()[0])
+        with self._database.transaction() as session:
+            return int(session.execute("SELECT COUNT(*) FROM memory")[0][0])
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._database.close()
 
 
 @dataclass(frozen=True)
@@ -175,6 +161,8 @@ async def release_texts(memory: ConversationMemory | None, principal: str, texts
         return Recalled(result, [False] * len(texts), spans, [])
     try:
         earlier = await asyncio.to_thread(memory.releases, principal, texts) if texts else []
+    except DatabaseUnavailableError:
+        raise  # a 503: the database is down, nothing was charged
     except Exception as error:
         logger.warning("conversation memory could not be read (%s)", type(error).__name__)
         raise ServiceError(500, f"conversation memory could not be read ({type(error).__name__}); nothing was "

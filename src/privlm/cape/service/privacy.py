@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from privlm._validation import check_positive_int
-from privlm.accounting import BudgetExhaustedError, Ledger
+from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError, Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.cape.model import Cape, PreparedPrompt
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
@@ -320,7 +320,7 @@ class _Release:
                     self.perturber.perturb_batch(self.texts) if self.prepared is None
                     else _cape(self.perturber).release(self.prepared))
                 _check_results(results, len(self.wanted), charged=privacy.ledger is not None)
-            except BudgetExhaustedError as error:
+            except (BudgetExhaustedError, DatabaseUnavailableError) as error:  # refused, or the ledger is down
                 return error
             except Exception as error:  # fail closed: whatever went wrong, nothing leaves
                 return PrivacyStepError(error, charged=privacy.ledger is not None)

@@ -1,0 +1,88 @@
+"""The chat gateway and its guardrail on a PostgreSQL ledger and memory, with the server stopped mid-run: every
+request fails closed (503 in OpenAI's error shape, BLOCKED from the guardrail) and nothing reaches the upstream;
+once the server is back, the same gateway serves again, with every total right."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from privlm.accounting import Ledger
+from privlm.accounting.database import close_pools
+from privlm.cape.service.guardrail import GUARDRAIL_PATH, create_guardrail_app
+from privlm.cape.service.memory import ConversationMemory
+from privlm.mechanisms import PrivacyUnit
+from privlm_bench.harness.postgres import PostgresServer
+from tests.service.localhost import serving
+from tests.support import litellm
+from tests.support.chat import EPS, TIMEOUT, NamePerturber, assert_openai_error, chat_gateway, fake_privacy
+
+KEY = "team-key-1"
+TEXT = "My friend Maria moved to Lisbon."  # two replaced words: 2 * EPS a request
+
+
+@pytest.fixture
+def database(tmp_path):
+    """A PostgreSQL server of this test's own (it is stopped and started again), its URL and the ledger's secret."""
+    server = PostgresServer()
+    url = server.start()
+    try:
+        yield server, url, tmp_path / "ledger.secret"
+    finally:
+        close_pools(url)
+        server.stop(mode="immediate")
+
+
+def ask(client: openai.OpenAI, text: str) -> str:
+    answer = client.chat.completions.create(model="stub-model", messages=[{"role": "user", "content": text}])
+    return answer.choices[0].message.content or ""
+
+
+def test_the_chat_gateway_fails_closed_while_the_database_is_down_and_recovers(stub, database):
+    server, url, secret = database
+    ledger = Ledger(url, budgets={PrivacyUnit.EPSILON: 100.0}, secret=secret)
+    memory = ConversationMemory(url, secret=secret)
+    privacy = fake_privacy(NamePerturber, ledger=ledger)
+    with chat_gateway(privacy, stub.url, api_keys=[KEY], memory=memory) as gateway:
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+        ask(client, TEXT)
+        assert stub.received("Jake") and not stub.received("Maria")
+        stub.clear()
+
+        server.stop(mode="immediate")
+        for text in (TEXT, "Krakow is far from Lisbon."):  # remembered or new: neither may go up
+            refused = httpx.post(f"{gateway}/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                                 json={"model": "stub-model", "messages": [{"role": "user", "content": text}]},
+                                 timeout=TIMEOUT)
+            error = assert_openai_error(refused, 503, code="ledger_unavailable")
+            assert "127.0.0.1" not in error["message"]  # the database stays unnamed to callers
+        with pytest.raises(openai.InternalServerError) as raised:  # the SDK's view: a 503 it may retry
+            ask(client, "Maria again.")
+        assert raised.value.status_code == 503
+        assert stub.received() == []  # nothing reached the upstream
+
+        server.start()
+        ask(client, "Krakow is far from Lisbon.")  # the same gateway, no restart
+        ask(client, TEXT)  # remembered from before the outage: sent as then, charged nothing
+    principal = ledger.principal_of_key(KEY)
+    assert ledger.spent(principal, PrivacyUnit.EPSILON) == pytest.approx(4 * EPS)  # nothing charged while down
+    assert len(stub.received()) == 2
+
+
+def test_the_guardrail_answers_blocked_while_the_database_is_down(database):
+    server, url, secret = database
+    ledger = Ledger(url, budgets={PrivacyUnit.EPSILON: 100.0}, secret=secret)
+    app = create_guardrail_app(fake_privacy(NamePerturber, ledger=ledger), charge_to="key")
+    body = litellm.body(messages=[{"role": "user", "content": TEXT}])  # exactly what LiteLLM posts
+    with serving(app) as gateway:
+        def guard() -> httpx.Response:
+            return httpx.post(f"{gateway}{GUARDRAIL_PATH}", headers=litellm.headers(), json=body, timeout=TIMEOUT)
+
+        assert guard().json()["action"] == "GUARDRAIL_INTERVENED"
+        server.stop(mode="immediate")
+        blocked = guard()
+        assert blocked.status_code == 200 and blocked.json()["action"] == "BLOCKED"  # never an HTTP error
+        assert "texts" not in blocked.json()
+        server.start()
+        assert guard().json()["action"] == "GUARDRAIL_INTERVENED"
