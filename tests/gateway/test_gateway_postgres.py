@@ -1,6 +1,6 @@
-"""The chat gateway and its guardrail on a PostgreSQL ledger and memory, with the server stopped mid-run: every
-request fails closed (503 in OpenAI's error shape, BLOCKED from the guardrail) and nothing reaches the upstream;
-once the server is back, the same gateway serves again, with every total right."""
+"""The chat gateway, its guardrail and the embeddings gateway on a PostgreSQL ledger (and memory), with the
+database stopped mid-run: every request fails closed (503 in OpenAI's error shape, BLOCKED from the guardrail)
+and nothing reaches the upstream; once the database is back, the same gateway serves again, every total right."""
 
 from __future__ import annotations
 
@@ -86,3 +86,44 @@ def test_the_guardrail_answers_blocked_while_the_database_is_down(database):
         assert "texts" not in blocked.json()
         server.start()
         assert guard().json()["action"] == "GUARDRAIL_INTERVENED"
+
+
+class CountingServer:
+    """An SnD server that counts the encode requests that reach it."""
+
+    def __init__(self, app) -> None:
+        self.app, self.encodes = app, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/snd/encode":
+            self.encodes += 1
+        await self.app(scope, receive, send)
+
+
+def test_embeddings_fail_closed_while_the_database_is_down_and_recover(database, tmp_path):
+    from privlm.models import SplitModel
+    from privlm.snd import Client
+    from privlm.snd.service.gateway import create_gateway
+    from privlm.snd.service.server import create_app
+    from tests.models.tiny import tiny_bert_folder
+
+    server_db, url, secret = database
+    model = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "model"), device="cpu")
+    snd = CountingServer(create_app(model, denoiser_dirs=[]))
+    ledger = Ledger(url, budgets={PrivacyUnit.ETA_TOKEN: 1e6}, secret=secret)
+    with serving(snd) as snd_url:
+        client = Client(snd_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu", ledger=ledger)
+        with serving(create_gateway(client, api_keys=[KEY])) as gateway:
+            sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+            sdk.embeddings.create(model="privlm-snd-model", input="the cat sat")
+            server_db.stop(mode="immediate")
+            refused = httpx.post(f"{gateway}/v1/embeddings", headers={"authorization": f"Bearer {KEY}"},
+                                 json={"model": "privlm-snd-model", "input": "the cat sat"}, timeout=TIMEOUT)
+            assert_openai_error(refused, 503, code="ledger_unavailable")
+            assert snd.encodes == 1  # nothing was released while the ledger was down
+            server_db.start()
+            sdk.embeddings.create(model="privlm-snd-model", input="the cat sat")
+        client.close()
+    assert snd.encodes == 2
+    tokens = model.token_counts(["the cat sat"])[0]
+    assert ledger.spent(ledger.principal_of_key(KEY), PrivacyUnit.ETA_TOKEN) == pytest.approx(2 * 5.0 * tokens)
