@@ -55,7 +55,7 @@ CALIBRATION_PROMPTS = ["What is the capital of France?", "Write a short poem abo
 SND_SENTENCES = ["I absolutely love my new phone, the camera is stunning.",
                  "The delivery was late and the support team never answered.",
                  "Driverless cars will change how cities are planned."]
-SND_ETA = 50.0
+SND_ETA = 20.0  # the recommended eta (docs/snd.md: the strongest attack reads 1.5% of the tokens)
 CHAT_PROMPT = ("I am Maria Gonzalez, 34, from Seattle. My doctor says my asthma is getting worse. "
                "What should I ask her at my next appointment?")
 CHAT_FOLLOW_UP = "She also asked whether Seattle's pollen season matters. Does it?"

@@ -1,6 +1,6 @@
 """The private-embedding pipeline, in-process: privatize -> server half -> denoise.
 
-``SnDEncoder(model="minilm", eta=50).encode(texts)`` returns a float32 (n, d) array like
+``SnDEncoder(model="minilm", eta=20).encode(texts)`` returns a float32 (n, d) array like
 sentence-transformers' ``encode``; ``encode_with_report`` also returns what happened to the inputs.
 Here the "server" is the same process; ``privlm.snd.Client`` puts a network between the two halves
 without changing the math: it drives the same I/O-free steps (:class:`BaseEncoder`).
