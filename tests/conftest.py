@@ -268,10 +268,7 @@ def postgres_server() -> Iterator[str]:
     try:
         yield url
     finally:
-        server.stop(mode="immediate")
-        import shutil
-
-        shutil.rmtree(server.folder, ignore_errors=True)
+        server.remove()
 
 
 @pytest.fixture

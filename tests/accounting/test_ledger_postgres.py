@@ -76,7 +76,7 @@ def test_the_ledger_fails_closed_while_the_server_is_down_and_recovers_without_a
         assert ledger.spent("alice", EPS) == 5.0
     finally:
         close_pools(url)
-        server.stop(mode="immediate")
+        server.remove()
 
 
 def test_a_sqlite_ledger_copied_to_postgresql_keeps_every_total(postgres_url, tmp_path):

@@ -31,7 +31,7 @@ def database(tmp_path):
         yield server, url, tmp_path / "ledger.secret"
     finally:
         close_pools(url)
-        server.stop(mode="immediate")
+        server.remove()
 
 
 def ask(client: openai.OpenAI, text: str) -> str:

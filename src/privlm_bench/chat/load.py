@@ -393,12 +393,14 @@ async def complete_streaming(http: httpx.AsyncClient, body: Mapping[str, Any]) -
 Send = Callable[[httpx.AsyncClient, int, int], Awaitable[Timing]]
 
 
-async def run_load(base_url: str, send: Send, *, clients: int, requests_per_client: int) -> LoadResult:
+async def run_load(base_url: str, send: Send, *, clients: int, requests_per_client: int,
+                   on_response: Callable[[httpx.Response], Awaitable[None]] | None = None) -> LoadResult:
     """``clients`` concurrent clients, each its own connection, each ``requests_per_client`` requests in turn
     (``send(http, client, k)``). Connections are opened (``GET /health``) before the clock starts. A failed
-    request is recorded and the client goes on."""
-    https = [httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT_S, limits=httpx.Limits(max_connections=1))
-             for _ in range(clients)]
+    request is recorded and the client goes on. ``on_response``: called with every answer's head (its headers)."""
+    hooks = {"response": [on_response]} if on_response is not None else None
+    https = [httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT_S, limits=httpx.Limits(max_connections=1),
+                               event_hooks=hooks) for _ in range(clients)]
     result = LoadResult(clients=clients, requests_per_client=requests_per_client, wall_s=0.0)
     try:
         await asyncio.gather(*(http.get("/health") for http in https))

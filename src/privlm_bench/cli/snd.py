@@ -74,18 +74,54 @@ def bench_serve(
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("benchmarks/serve"),
     model: Annotated[str, typer.Option(help="Model name or path.")] = "minilm",
     seed: Annotated[int, typer.Option()] = 0,
-    requests: Annotated[int, typer.Option(help="Requests per client (8 sentences each); fewer for a short run.")
-                        ] = 24,
+    requests: Annotated[int | None, typer.Option(help="Requests per client (embeddings: 8 sentences each); fewer "
+                                                     "for a short run (default 24; with --gateway-replicas, 8).")
+                        ] = None,
+    gateway_replicas: Annotated[str, typer.Option(help="Instead: `privlm gateway --ray` with each of these numbers "
+                                                       "of replicas (comma-separated, e.g. 1,2), chat and embeddings "
+                                                       "at 8 and 32 clients against the stub upstream, ledgers on "
+                                                       "PostgreSQL; and the ledger's added latency on PostgreSQL "
+                                                       "against SQLite. Writes to OUT/gateway-replicas.")] = "",
+    ledger_calls: Annotated[int, typer.Option(help="With --gateway-replicas: timed ledger spends per backend.")
+                            ] = 200,
 ) -> None:
     """Throughput and p50/p99 latency at 1, 8 and 32 clients, of the server alone and through the gateway
-    (openai clients); a server restart mid-run."""
-    from privlm_bench.snd.serve_load import write_serve_report
+    (openai clients); a server restart mid-run. With --gateway-replicas: the gateway on Ray Serve instead."""
+    from privlm_bench.snd.serve_load import REQUESTS_PER_CLIENT, write_serve_report
 
-    if requests < 1:
+    if requests is not None and requests < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--requests")
+    if gateway_replicas:
+        _bench_gateway_replicas(out / "gateway-replicas", gateway_replicas, model=model, seed=seed,
+                                requests=requests, ledger_calls=ledger_calls)
+        return
+    requests = REQUESTS_PER_CLIENT if requests is None else requests
     with console.status("Starting the server and the gateway, loading them with 1, 8 and 32 clients..."):
         files = write_serve_report(out, model=model, seed=seed, requests_per_client=requests)
     console.print((out / "serve.md").read_text())
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+def _bench_gateway_replicas(out: Path, replicas: str, *, model: str, seed: int, requests: int | None,
+                            ledger_calls: int) -> None:
+    from privlm_bench.chat.gateway_replicas import (
+        REPLICA_REQUESTS_PER_CLIENT,
+        ReplicaBenchSetting,
+        parse_replica_counts,
+        run_replica_bench,
+    )
+
+    try:
+        counts = parse_replica_counts(replicas)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--gateway-replicas") from None
+    try:
+        setting = ReplicaBenchSetting(replicas=counts, model=model, seed=seed, ledger_calls=ledger_calls,
+                                      requests_per_client=REPLICA_REQUESTS_PER_CLIENT if requests is None else requests)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    files = run_replica_bench(setting, out, lambda message: console.log(message, highlight=False))
+    console.print(files[1].read_text(), markup=False, highlight=False)
     console.print(f"Wrote {', '.join(str(f) for f in files)}")
 
 

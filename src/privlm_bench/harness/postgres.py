@@ -75,11 +75,12 @@ def _free_port() -> int:
 class PostgresServer:
     """One server whose data, socket and log live in ``folder``."""
 
-    def __init__(self, folder: str | Path | None = None) -> None:
+    def __init__(self, folder: str | Path | None = None, *, durable: bool = False) -> None:
         # Its own folder under the temporary root by default: the server user (not root) must reach it, and
         # pytest's folders are root's alone.
         self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="privlm-postgres-"))
         self.data = self.folder / "data"
+        self.durable = durable  # tests need no durability; a benchmark of commit latency does (fsync on)
         self.port_file = self.folder / "port"
 
     @property
@@ -101,7 +102,9 @@ class PostgresServer:
             self.port_file.write_text(str(_free_port()))
             _run([str(programs / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-sync",
                   "-E", "UTF8", "--locale=C"])
-        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1"
+        if not self.durable:
+            options += " -c fsync=off"
         _run([str(programs / "pg_ctl"), "-D", str(self.data), "-l", str(self.folder / "log"), "-o", options, "-w",
               "-t", "60", "start"])
         self._wait()
@@ -110,6 +113,11 @@ class PostgresServer:
     def stop(self, mode: str = "fast") -> None:
         subprocess.run(_as_server_user([str(server_programs() / "pg_ctl"), "-D", str(self.data), "-m", mode,
                                         "-w", "stop"]), check=False, capture_output=True)
+
+    def remove(self) -> None:
+        """Stop the server at once and delete its folder (data, socket, log)."""
+        self.stop(mode="immediate")
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def _wait(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -84,13 +84,17 @@ async def _load_server(url: str, payloads: list[Payload], clients: int, requests
         return await _measure(send, clients, requests)
 
 
-async def _load_gateway(url: str, texts: list[str], clients: int, requests: int) -> dict[str, float]:
-    """``clients`` independent ``openai.AsyncOpenAI`` clients, each with its own connection pool."""
+async def _load_gateway(url: str, texts: list[str], clients: int, requests: int, *,
+                        on_response: Callable[[httpx.Response], Awaitable[None]] | None = None) -> dict[str, float]:
+    """``clients`` independent ``openai.AsyncOpenAI`` clients, each with its own connection pool; ``on_response``:
+    called with every answer's head (its headers)."""
     try:
         import openai
     except ImportError as error:
         raise RuntimeError("the gateway benchmark drives it with the openai client: pip install openai") from error
-    sdks = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=600)
+    hooks = {"response": [on_response]} if on_response is not None else None
+    sdks = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=600,
+                               http_client=None if hooks is None else openai.DefaultAsyncHttpxClient(event_hooks=hooks))
             for _ in range(clients)]
 
     model_id = (await sdks[0].models.list()).data[0].id  # the gateway names its one model
