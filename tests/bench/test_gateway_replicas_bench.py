@@ -196,3 +196,21 @@ def test_comparisons_from_rows():
     assert comparison == {"serial_p50_ms": 0.5, "serial_p99_ms": -1.0, "concurrent_p50_ms": 0.0,
                           "concurrent_p99_ms": 2.0}
     assert GatewayRun(1, SQLITE, ()).ledger == SQLITE
+
+
+def test_cores_busy_is_the_share_not_idle_and_the_report_says_what_a_gain_used():
+    from collections import namedtuple
+
+    from privlm_bench.chat.gateway_replicas import cpu_busy
+
+    Times = namedtuple("Times", "user system idle iowait")
+    assert cpu_busy(Times(10, 5, 100, 0), Times(40, 15, 150, 10)) == pytest.approx(40 / 100)
+    assert cpu_busy(Times(1, 1, 1, 0), Times(1, 1, 1, 0)) == 0.0  # no time passed
+    payload = _synthetic(2)
+    for row in payload["rows"]:
+        row["cpu_busy"] = 0.55 if row["replicas"] == 1 else 0.97
+    payload["scaling"] = scaling(payload["rows"])
+    text = replica_markdown(payload)
+    assert "| 55% |" in text and "| 97% |" in text
+    assert any(s["throughput_ratio"] > 1 for s in payload["scaling"])  # the seeded figures have a gain
+    assert "busy 55% of the time with 1 and 97% with 2" in text and "left up to 45% of the cores idle" in text

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
@@ -299,15 +300,24 @@ async def measure_gateway(run: GatewayRun, url: str, setting: ReplicaBenchSettin
     for endpoint, clients in run.rows:
         log(f"{run.replicas} replica(s), {run.ledger}: {endpoint}, {clients} clients")
         tally.take()
+        before = psutil.cpu_times()
         if endpoint == CHAT:
             result = await run_load(url, send, clients=clients, requests_per_client=setting.requests_per_client,
                                     on_response=tally)
-            rows.append(chat_row(result, replicas=run.replicas, ledger=run.ledger, seen=tally.take()))
+            row = chat_row(result, replicas=run.replicas, ledger=run.ledger, seen=tally.take())
         else:
             measured = await _load_gateway(url, texts, clients, setting.requests_per_client, on_response=tally)
-            rows.append(embeddings_row(measured, replicas=run.replicas, ledger=run.ledger,
-                                       requests_per_client=setting.requests_per_client, seen=tally.take()))
+            row = embeddings_row(measured, replicas=run.replicas, ledger=run.ledger,
+                                 requests_per_client=setting.requests_per_client, seen=tally.take())
+        rows.append({**row, "cpu_busy": cpu_busy(before, psutil.cpu_times())})
     return rows
+
+
+def cpu_busy(before: Any, after: Any) -> float:
+    """The share of the machine's CPU time (every core) that was not idle between two ``psutil.cpu_times()``."""
+    total = sum(after) - sum(before)
+    idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
+    return 0.0 if total <= 0 else max(0.0, min(1.0, 1.0 - idle / total))
 
 
 def run_replica_bench(setting: ReplicaBenchSetting, out_dir: Path, log: Callable[[str], None]) -> list[Path]:
@@ -379,13 +389,13 @@ def scaling(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
     measured = [r for r in rows if r["ledger"] == POSTGRESQL]
     for endpoint, clients in sorted({(r["endpoint"], r["clients"]) for r in measured}):
-        by_n = {r["replicas"]: r["requests_per_s"] for r in measured
-                if r["endpoint"] == endpoint and r["clients"] == clients}
-        base = min(by_n)
-        for n in sorted(by_n):
-            if n != base and by_n[base] > 0:
+        same = {r["replicas"]: r for r in measured if r["endpoint"] == endpoint and r["clients"] == clients}
+        base = min(same)
+        for n in sorted(same):
+            if n != base and same[base]["requests_per_s"] > 0:
                 out.append({"endpoint": endpoint, "clients": clients, "replicas": n, "against_replicas": base,
-                            "throughput_ratio": by_n[n] / by_n[base]})
+                            "throughput_ratio": same[n]["requests_per_s"] / same[base]["requests_per_s"],
+                            "cpu_busy": same[n].get("cpu_busy"), "against_cpu_busy": same[base].get("cpu_busy")})
     return out
 
 
@@ -436,8 +446,8 @@ def _scaling_lines(payload: Mapping[str, Any]) -> list[str]:
              "the SnD server, every replica and the clients."]
     most = max((r["replicas"] for r in payload["rows"]), default=1)
     if most > 1 and cpus is not None and cpus <= 2:
-        lines[0] += (f" On {cpus} cores, {most} replicas cannot be faster than one: they share the cores that one "
-                     "replica already fills, and each adds its own process and memory.")
+        lines[0] += (f" On {cpus} cores, {most} replicas cannot be faster than one that already fills the cores: "
+                     "they share them, and each adds its own process and memory.")
         threads = payload["environment"].get("omp_num_threads")
         if threads is not None and threads.isdigit() and int(threads) < cpus:
             lines[0] += (f" One caveat: here each replica's torch runs on {threads} thread(s) (OMP_NUM_THREADS), so "
@@ -446,8 +456,18 @@ def _scaling_lines(payload: Mapping[str, Any]) -> list[str]:
                          "from another machine.")
     for s in payload["scaling"]:
         verdict = "more" if s["throughput_ratio"] > 1 else "less" if s["throughput_ratio"] < 1 else "the same"
+        busy = ("" if s.get("cpu_busy") is None or s.get("against_cpu_busy") is None else
+                f"; the machine's cores were busy {s['against_cpu_busy']:.0%} of the time with {s['against_replicas']}"
+                f" and {s['cpu_busy']:.0%} with {s['replicas']}")
         lines.append(f"- {s['endpoint']}, {s['clients']} clients: {s['replicas']} replicas answered "
-                     f"{s['throughput_ratio']:.2f} x the throughput of {s['against_replicas']} ({verdict}).")
+                     f"{s['throughput_ratio']:.2f} x the throughput of {s['against_replicas']} ({verdict}){busy}.")
+    gains = [s for s in payload["scaling"] if s["throughput_ratio"] > 1 and s.get("against_cpu_busy") is not None]
+    if gains:
+        idle = max(1 - s["against_cpu_busy"] for s in gains)
+        lines += ["", f"Where more replicas answered more, one replica had left up to {idle:.0%} of the cores idle "
+                      "(its Python work, HTTP, tokenizing and batching, runs one thread at a time): a second process "
+                      "used that share. That is the most more replicas can give on one machine; capacity beyond its "
+                      "cores comes only from replicas on other machines."]
     return [*lines, ""]
 
 
@@ -505,15 +525,17 @@ def replica_markdown(payload: Mapping[str, Any]) -> str:
              "its own, budgets no run reaches (every request checked and charged, none refused)", "",
              "## Throughput and latency", "",
              "| replicas | ledger | endpoint | clients | requests/s | sentences/s | p50 ms | p99 ms | replicas that "
-             "answered | answered | errors |", "|---" * 11 + "|"]
+             "answered | answered | errors | cores busy |", "|---" * 12 + "|"]
     for r in payload["rows"]:
+        busy = "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}"
         lines.append(f"| {r['replicas']} | {r['ledger']} | {r['endpoint']} | {r['clients']} | "
                      f"{r['requests_per_s']:.2f} | {_num(r['sentences_per_s'])} | {_num(r['p50_ms'])} | "
-                     f"{_num(r['p99_ms'])} | {r['replicas_seen']} | {r['answered']} | {r['errors']} |")
+                     f"{_num(r['p99_ms'])} | {r['replicas_seen']} | {r['answered']} | {r['errors']} | {busy} |")
     failures = [r for r in payload["rows"] if r["errors"]]
     lines += [f"- first error, {r['replicas']} replica(s) {r['endpoint']} {r['clients']} clients: {r['first_error']}"
               for r in failures]
     lines += ["", *_scaling_lines(payload), *_ledger_lines(payload),
               "Throughput: answered requests over the row's wall time. Latency: until the whole answer was read. "
-              "Replicas that answered: distinct `x-privlm-replica` headers among the row's answers."]
+              "Replicas that answered: distinct `x-privlm-replica` headers among the row's answers. Cores busy: the "
+              "share of the machine's CPU time (all cores) not idle during the row."]
     return "\n".join(lines) + "\n"
