@@ -41,6 +41,7 @@ def ask(client: openai.OpenAI, text: str) -> str:
 
 def test_the_chat_gateway_fails_closed_while_the_database_is_down_and_recovers(stub, database):
     server, url, secret = database
+    stub.clear()
     ledger = Ledger(url, budgets={PrivacyUnit.EPSILON: 100.0}, secret=secret)
     memory = ConversationMemory(url, secret=secret)
     privacy = fake_privacy(NamePerturber, ledger=ledger)
@@ -57,6 +58,7 @@ def test_the_chat_gateway_fails_closed_while_the_database_is_down_and_recovers(s
                                  timeout=TIMEOUT)
             error = assert_openai_error(refused, 503, code="ledger_unavailable")
             assert "127.0.0.1" not in error["message"]  # the database stays unnamed to callers
+            assert refused.headers["retry-after"] == "1"
         with pytest.raises(openai.InternalServerError) as raised:  # the SDK's view: a 503 it may retry
             ask(client, "Maria again.")
         assert raised.value.status_code == 503
@@ -68,6 +70,23 @@ def test_the_chat_gateway_fails_closed_while_the_database_is_down_and_recovers(s
     principal = ledger.principal_of_key(KEY)
     assert ledger.spent(principal, PrivacyUnit.EPSILON) == pytest.approx(4 * EPS)  # nothing charged while down
     assert len(stub.received()) == 2
+
+
+def test_without_memory_the_charge_itself_fails_closed(stub, database):
+    """No conversation memory: the ledger's charge is the first thing to reach the database."""
+    server, url, secret = database
+    stub.clear()
+    ledger = Ledger(url, budgets={PrivacyUnit.EPSILON: 100.0}, secret=secret)
+    with chat_gateway(fake_privacy(NamePerturber, ledger=ledger), stub.url, api_keys=[KEY]) as gateway:
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+        server.stop(mode="immediate")
+        with pytest.raises(openai.InternalServerError) as raised:
+            ask(client, TEXT)
+        assert raised.value.status_code == 503 and raised.value.body["code"] == "ledger_unavailable"
+        assert stub.received() == []
+        server.start()
+        ask(client, TEXT)
+    assert ledger.spent(ledger.principal_of_key(KEY), PrivacyUnit.EPSILON) == pytest.approx(2 * EPS)
 
 
 def test_the_guardrail_answers_blocked_while_the_database_is_down(database):

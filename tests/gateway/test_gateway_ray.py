@@ -55,7 +55,7 @@ def test_two_replicas_share_one_budget(stub, tmp_path, postgres_url):
                       "--chat-upstream", stub.url, "--epsilon", str(EPSILON), "--logit-bound", str(bound),
                       "--mechanism", "cape-unbucketed",  # epsilon per position: a request costs a few epsilons
                       "--device-model", str(folder), "--device", "cpu", "--chat-model", "stub-model",
-                      "--chat-budget", str(budget), "--chat-ledger", postgres_url, "--ledger-secret", str(secret),
+                      "--chat-budget", str(budget), "--chat-ledger", postgres_url, "--chat-ledger-secret", str(secret),
                       "--api-key-file", str(key_file)],
         env=env, timeout=300)
 
@@ -107,10 +107,19 @@ def test_a_database_ledger_is_passed_on_unchanged_with_one_secret_for_every_repl
     replicated = GatewaySettings(chat=_chat(budget=10.0, ledger=url)).for_replicas()
     assert replicated.chat is not None and replicated.chat.ledger == url and replicated.shared_files() == []
     assert replicated.chat.memory == url  # auto: the memory in the ledger's database
-    assert replicated.ledger_secret is not None and replicated.ledger_secret.endswith(".secret")
-    assert "pw" not in Path(replicated.ledger_secret).name  # named by a digest of the URL, never the password
-    given = GatewaySettings(chat=_chat(budget=10.0, ledger=url), ledger_secret="team.secret").for_replicas()
-    assert given.ledger_secret == str(Path("team.secret").absolute())
+    secret = replicated.chat.ledger_secret  # resolved once, for every replica
+    assert secret is not None and secret.endswith(".secret")
+    assert "pw" not in Path(secret).name  # named by a digest of the URL, never the password
+    given = GatewaySettings(chat=_chat(budget=10.0, ledger=url, ledger_secret="team.secret")).for_replicas()
+    assert given.chat is not None and given.chat.ledger_secret == str(Path("team.secret").absolute())
+    sqlite = GatewaySettings(chat=_chat(budget=10.0, ledger="l.sqlite")).for_replicas()
+    assert sqlite.chat is not None and sqlite.chat.ledger_secret is None  # a SQLite ledger keeps <file>.secret
+    with pytest.raises(SettingError) as caught:
+        _chat(budget=10.0, ledger="l.sqlite", memory="off", ledger_secret="team.secret")
+    assert caught.value.flag == "--chat-ledger-secret"
+    with pytest.raises(SettingError) as caught:
+        EmbeddingsSettings("http://127.0.0.1:9", eta=50.0, budget=1.0, ledger="e.sqlite", ledger_secret="s")
+    assert caught.value.flag == "--ledger-secret"
 
 
 @pytest.mark.parametrize(("memory", "budget"), [("process", 10.0), ("auto", None)])

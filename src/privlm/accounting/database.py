@@ -232,8 +232,10 @@ class PostgresDatabase(Database):
         except (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout) as error:
             if isinstance(error, psycopg.errors.TransactionRollback):  # a conflict, not an outage
                 raise
-            # A new pool tries the server at once on the next transaction; this one would wait out its back-off.
-            _discard_pool(self.url, pool)
+            # After an outage a new pool tries the server at once; this one would wait out its back-off. A pool
+            # that timed out only because every connection was busy is kept: the server answers.
+            if not isinstance(error, psycopg_pool.PoolTimeout) or not _answers(self.url):
+                _discard_pool(self.url, pool)
             raise DatabaseUnavailableError(f"the database {self.location} is unavailable ({_reason(error)}); "
                                            "nothing was written") from None
 
@@ -256,6 +258,17 @@ def _pool(url: str) -> Any:
                                   kwargs={"connect_timeout": CONNECT_TIMEOUT_S, "autocommit": True})
             _POOLS[key] = pool
         return pool
+
+
+def _answers(url: str) -> bool:
+    """Whether the server takes a new connection now (a pool that timed out: busy, or the server gone?)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S):
+            return True
+    except psycopg.Error:
+        return False
 
 
 def _discard_pool(url: str, pool: Any) -> None:

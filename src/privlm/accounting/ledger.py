@@ -149,7 +149,8 @@ class Ledger:
             with sqlite.connection() as db:  # the old ids are overwritten in the file, not merely unlinked
                 db.execute("PRAGMA secure_delete=ON")
         with self.database.transaction() as session:
-            renamed = sum(self._rename(session, old, new) for old, new in renames.items())
+            lock = self.database.dialect.for_update
+            renamed = sum(self._rename(session, old, new, lock) for old, new in sorted(renames.items()))
             left = sum(1 for (principal,) in session.execute("SELECT DISTINCT principal FROM totals")
                        if LEGACY_KEY_ID.fullmatch(principal))
             session.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT (name) "
@@ -169,9 +170,10 @@ class Ledger:
         return KeyMigration(renamed=renamed, left=left)
 
     @staticmethod
-    def _rename(session: Session, old: str, new: str) -> int:
+    def _rename(session: Session, old: str, new: str, for_update: str) -> int:
         """Move ``old``'s totals (merged with ``new``'s) and spends to ``new``; 1 if it had any, else 0."""
-        rows = session.execute("SELECT unit, spent FROM totals WHERE principal = ?", (old,))
+        # Locked: two replicas adopting at once must not both merge the old total into the new one.
+        rows = session.execute("SELECT unit, spent FROM totals WHERE principal = ? ORDER BY unit" + for_update, (old,))
         for unit, spent in rows:
             session.execute("INSERT INTO totals VALUES (?, ?, ?) ON CONFLICT (principal, unit) "
                             "DO UPDATE SET spent = totals.spent + excluded.spent", (new, unit, spent))
@@ -328,9 +330,10 @@ def copy_ledger(source: str | Path, destination: str | Path) -> LedgerCopy:
                            spends)
         write.execute_many("INSERT INTO meta VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET value = excluded.value",
                            meta)
-        copied = write.execute("SELECT principal, unit, spent FROM totals ORDER BY principal, unit")
-        if [tuple(row) for row in copied] != [tuple(row) for row in totals]:
-            raise RuntimeError(f"the copy's totals differ from {origin.location}'s; nothing was copied")
+        copied = write.execute("SELECT principal, unit, spent FROM totals")
+        # Compared as mappings: the two databases may sort text differently (a collation), never differ in value.
+        if {(p, u): s for p, u, s in copied} != {(p, u): s for p, u, s in totals}:
+            raise ValueError(f"the copy's totals differ from {origin.location}'s; nothing was copied")
     return LedgerCopy(principals=len({principal for principal, _, _ in totals}), totals=len(totals),
                       spends=len(spends))
 

@@ -69,6 +69,10 @@ def gateway(
     chat_ledger: Annotated[str | None, typer.Option(help="Chat: ledger of --chat-budget: a SQLite file, or a "
                                                           "postgresql:// URL shared by replicas (default: "
                                                           "$PRIVLM_CACHE/ledger-chat-<unit>.sqlite).")] = None,
+    chat_ledger_secret: Annotated[Path | None, typer.Option(help="Chat: the secret file that names API keys in a "
+                                                                 "--chat-ledger (and memory) on PostgreSQL; every "
+                                                                 "replica and machine needs the same one (default: "
+                                                                 "one in $PRIVLM_CACHE per database).")] = None,
     guardrail: Annotated[bool, typer.Option("--guardrail/--no-guardrail", help="Chat: also serve LiteLLM's generic "
                                                                                "guardrail API (it charges the ids "
                                                                                "LiteLLM names: give LiteLLM its own "
@@ -126,9 +130,9 @@ def gateway(
     ledger: Annotated[str | None, typer.Option(help="Embeddings: ledger of --budget: a SQLite file, or a "
                                                      "postgresql:// URL (default: one per server model, "
                                                      "$PRIVLM_CACHE/ledger-snd-<fingerprint>.sqlite).")] = None,
-    ledger_secret: Annotated[Path | None, typer.Option(help="The secret file that names API keys in a ledger on "
-                                                            "PostgreSQL (and its memory): every replica and machine "
-                                                            "needs the same one (default: one in $PRIVLM_CACHE per "
+    ledger_secret: Annotated[Path | None, typer.Option(help="Embeddings: the secret file that names API keys in a "
+                                                            "--ledger on PostgreSQL; every replica and machine needs "
+                                                            "the same one (default: one in $PRIVLM_CACHE per "
                                                             "database; a SQLite ledger's is <file>.secret).")
                              ] = None,
     ray: Annotated[bool, typer.Option("--ray", help="Serve through Ray Serve (needs privlm\\[ray]): replicas that "
@@ -160,14 +164,16 @@ def gateway(
     embeddings = None if server is None else _made(lambda: EmbeddingsSettings(
         server, eta=eta, server_api_key=None if file_read_there else server_key,
         server_api_key_file=str(server_api_key_file) if file_read_there else None, denoiser=denoiser,
-        truncate=truncate, max_request_tokens=max_request_tokens, budget=budget, ledger=ledger))
+        truncate=truncate, max_request_tokens=max_request_tokens, budget=budget, ledger=ledger,
+        ledger_secret=None if ledger_secret is None else str(ledger_secret)))
     chat = None if chat_upstream is None else _made(lambda: ChatSettings(
         chat_upstream, epsilon=epsilon, upstream_key_env=chat_upstream_key_env, mechanism=mechanism,
         logit_bound=None if logit_bound is None else str(logit_bound), device_model=device_model,
         device_model_int8=device_model_int8, models=tuple(chat_model or ()), perturb_system=perturb_system,
         perturb_tool_results=perturb_tool_results, non_text_parts=non_text_parts, report_in_body=report_in_body,
         message_names=message_names, extract_model=extract_model if extract else None, budget=chat_budget,
-        ledger=chat_ledger, guardrail=guardrail, guardrail_charge=guardrail_charge,
+        ledger=chat_ledger, ledger_secret=None if chat_ledger_secret is None else str(chat_ledger_secret),
+        guardrail=guardrail, guardrail_charge=guardrail_charge,
         guardrail_max_in_flight=guardrail_max_in_flight, audit_log=None if audit_log is None else str(audit_log),
         restore=restore, memory=chat_memory, memory_days=chat_memory_days,
         memory_max_entries=chat_memory_max_entries, max_prompt_tokens=max_prompt_tokens,
@@ -178,8 +184,7 @@ def gateway(
         embeddings=embeddings, chat=chat, device=device,
         api_keys=_load_keys(api_key, None, GATEWAY_API_KEYS_ENV) if ray else keys,
         api_key_file=str(api_key_file) if ray and api_key_file else None, docs=docs,
-        allowed_hosts=None if hosts is None else tuple(hosts), max_in_flight=service.get("max_in_flight"),
-        ledger_secret=None if ledger_secret is None else str(ledger_secret)))
+        allowed_hosts=None if hosts is None else tuple(hosts), max_in_flight=service.get("max_in_flight")))
     if ray:
         _gateway_with_ray(settings, host=host, port=port, replicas=replicas, replica_cpus=replica_cpus,
                           address=ray_address, shared=not keys)

@@ -114,11 +114,18 @@ def default_ledger_secret(url: str) -> str:
 
 
 def secret_for(location: str | None, secret: str | None) -> str | None:
-    """The secret file of the ledger (or memory) at ``location``: --ledger-secret, else for a database server
-    :func:`default_ledger_secret`, else None (a SQLite file's own, ``<file>.secret``)."""
-    if location is None or secret is not None:
-        return secret
-    return default_ledger_secret(location) if is_database_url(location) else None
+    """The secret file of a ledger (or memory) at ``location`` on a database server: ``secret`` (the ledger's
+    --ledger-secret or --chat-ledger-secret), else :func:`default_ledger_secret`. None for a SQLite file, whose
+    secret is its own, ``<file>.secret``."""
+    if location is None or not is_database_url(location):
+        return None
+    return secret or default_ledger_secret(location)
+
+
+def _check_secret_use(secret: str | None, locations: list[str | None], flag: str) -> None:
+    if secret is not None and not any(loc is not None and is_database_url(loc) for loc in locations):
+        raise SettingError("is for a ledger on a PostgreSQL server; a SQLite ledger's secret is its own "
+                           "<file>.secret", flag)
 
 
 def _absolute(location: str) -> str:
@@ -150,6 +157,7 @@ class EmbeddingsSettings:
     max_request_tokens: int = 300_000
     budget: float | None = None
     ledger: str | None = None
+    ledger_secret: str | None = None  # the secret file of a ledger on a database server (--ledger-secret)
 
     def __post_init__(self) -> None:
         if self.eta is None:
@@ -157,6 +165,11 @@ class EmbeddingsSettings:
         _positive(self.budget, "--budget")
         if self.ledger is not None and self.budget is None:
             raise SettingError("a ledger needs a budget", "--budget")
+        _check_secret_use(self.ledger_secret, [self.ledger], "--ledger-secret")
+
+    def database_secret(self) -> str | None:
+        """The secret file of the ledger when it is on a database server (:func:`secret_for`); else None."""
+        return secret_for(self.ledger, self.ledger_secret)
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,7 @@ class ChatSettings:
     extract_model: str | None = None
     budget: float | None = None
     ledger: str | None = None
+    ledger_secret: str | None = None  # the secret file of the ledger and memory on a server (--chat-ledger-secret)
     guardrail: bool = False
     guardrail_charge: str = "key-and-end-user"
     guardrail_max_in_flight: int | None = None
@@ -224,6 +238,15 @@ class ChatSettings:
         _positive(self.memory_days, "--chat-memory-days")
         if self.memory_max_entries < 1:
             raise SettingError(f"must be >= 1, got {self.memory_max_entries}", "--chat-memory-max-entries")
+        _check_secret_use(self.ledger_secret, [self.ledger, self.memory], "--chat-ledger-secret")
+
+    def database_secret(self) -> str | None:
+        """The secret file of the chat ledger and its memory where they are on a database server: the given one,
+        else the default of the first of them that is (:func:`secret_for`); None when neither is."""
+        for location in (self.ledger_location(), self.memory_location()):
+            if location is not None and is_database_url(location):
+                return secret_for(location, self.ledger_secret)
+        return None
 
     def text_mechanism(self) -> TextMechanism:
         import privlm.baselines
@@ -263,7 +286,6 @@ class GatewaySettings:
     docs: bool = False
     allowed_hosts: tuple[str, ...] | None = None
     max_in_flight: int | None = None
-    ledger_secret: str | None = None  # the secret file of every ledger (and memory) on a database server
     replicated: bool = field(default=False, compare=False)  # set by for_replicas
 
     def __post_init__(self) -> None:
@@ -305,22 +327,13 @@ class GatewaySettings:
                            device_model=_local_folder(chat.device_model),
                            extract_model=None if chat.extract_model is None else _local_folder(chat.extract_model),
                            models=models)
+            chat = replace(chat, ledger_secret=_maybe_absolute(chat.database_secret()))  # one file for all
         if embeddings is not None:
             embeddings = replace(embeddings, ledger=_maybe_absolute(embeddings.ledger),
+                                 ledger_secret=_maybe_absolute(embeddings.database_secret()),
                                  server_api_key_file=_maybe_absolute(embeddings.server_api_key_file))
-        secret = self.ledger_secret
-        for location in self.database_locations(chat, embeddings):
-            secret = secret_for(location, secret)  # the first database's default, unless given
         return replace(self, chat=chat, embeddings=embeddings, api_key_file=_maybe_absolute(self.api_key_file),
-                       ledger_secret=_maybe_absolute(secret), replicated=True)
-
-    @staticmethod
-    def database_locations(chat: ChatSettings | None, embeddings: EmbeddingsSettings | None) -> list[str]:
-        """The ledgers and memory on database servers."""
-        found = [None if embeddings is None else embeddings.ledger]
-        if chat is not None:
-            found += [chat.ledger_location(), chat.memory_location()]
-        return [location for location in found if location is not None and is_database_url(location)]
+                       replicated=True)
 
     def _check_replicable(self) -> None:
         if self.chat is not None and self.chat.memory == "process":
@@ -380,15 +393,13 @@ def build_setups(settings: GatewaySettings) -> GatewaySetups:
     keys = load_keys(settings.api_keys, key_file=settings.api_key_file, env_var=settings.api_keys_env)
     notes: list[str] = []
     shared = "" if keys else " (no --api-key: every caller shares one budget)"
-    databases = settings.database_locations(settings.chat, settings.embeddings)
-    secret = secret_for(databases[0], settings.ledger_secret) if databases else settings.ledger_secret
     embeddings = None
     if settings.embeddings is not None:
-        embeddings, note = _embeddings_setup(settings.embeddings, shared=shared, secret=secret)
+        embeddings, note = _embeddings_setup(settings.embeddings, shared=shared)
         notes += note
     chat = None
     if settings.chat is not None:
-        chat, note = _chat_setup(settings.chat, device=settings.device, shared=shared, secret=secret)
+        chat, note = _chat_setup(settings.chat, device=settings.device, shared=shared)
         notes += note
     return GatewaySetups(embeddings=embeddings, chat=chat, api_keys=keys, notes=tuple(notes))
 
@@ -402,8 +413,7 @@ def build(settings: GatewaySettings, setups: GatewaySetups | None = None) -> Fas
                                   **settings.service())
 
 
-def _embeddings_setup(settings: EmbeddingsSettings, *, shared: str, secret: str | None
-                      ) -> tuple[EmbeddingsSetup, list[str]]:
+def _embeddings_setup(settings: EmbeddingsSettings, *, shared: str) -> tuple[EmbeddingsSetup, list[str]]:
     from privlm.accounting import Ledger
     from privlm.gateway.app import EmbeddingsSetup
     from privlm.mechanisms import PrivacyUnit
@@ -418,15 +428,15 @@ def _embeddings_setup(settings: EmbeddingsSettings, *, shared: str, secret: str 
     notes = []
     if settings.budget is not None:
         location = settings.ledger or default_embeddings_ledger(client.model.fingerprint)
-        client.ledger = Ledger(location, budgets={PrivacyUnit.ETA_TOKEN: settings.budget}, secret=secret)
+        client.ledger = Ledger(location, budgets={PrivacyUnit.ETA_TOKEN: settings.budget},
+                               secret=secret_for(location, settings.ledger_secret))
         notes.append(f"Embeddings budget: {settings.budget:g} eta-tokens per API key{shared}, ledger "
                      f"{client.ledger.location}")
     return EmbeddingsSetup(client=client, truncate=settings.truncate,
                            max_request_tokens=settings.max_request_tokens), notes
 
 
-def _chat_setup(settings: ChatSettings, *, device: str, shared: str, secret: str | None
-                ) -> tuple[ChatSetup, list[str]]:
+def _chat_setup(settings: ChatSettings, *, device: str, shared: str) -> tuple[ChatSetup, list[str]]:
     from privlm.cape import LogitBound
     from privlm.cape.service.chat import ChatOptions
     from privlm.cape.service.guardrail import CHARGE_TO, GUARDRAIL_MAX_IN_FLIGHT
@@ -446,10 +456,12 @@ def _chat_setup(settings: ChatSettings, *, device: str, shared: str, secret: str
         model = device_model(settings.device_model, device=device, int8=settings.device_model_int8, bound=bound)
         location = settings.ledger_location()
         privacy = mechanism_privacy(chosen.name, model, epsilon=settings.epsilon, logit_bound=bound,
-                                    budget=settings.budget, ledger_path=location, ledger_secret=secret,
+                                    budget=settings.budget, ledger_path=location,
+                                    ledger_secret=secret_for(location, settings.database_secret()),
                                     max_prompt_tokens=settings.max_prompt_tokens)
         memory = conversation_memory(settings.memory, days=settings.memory_days,
-                                     max_entries=settings.memory_max_entries, ledger=location, secret=secret)
+                                     max_entries=settings.memory_max_entries, ledger=location,
+                                     secret=settings.database_secret())
     except SettingError:
         raise
     except OSError as error:  # a --logit-bound, --chat-ledger or --audit-log that cannot be read or written

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError
 from privlm.service.auth import BearerKeys
-from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response
+from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response, ledger_unavailable
 from privlm.service.hosts import ANY_HOST, HostCheckMiddleware
 from privlm.service.limits import BODY_TIMEOUT, MAX_IN_FLIGHT, BodyLimitMiddleware, Lane, RefusalAnswer
 from privlm.service.metrics import RequestMetricsMiddleware, ServiceMetrics
@@ -123,11 +123,10 @@ def _install_error_handlers(app: FastAPI) -> None:
                               code="budget_exhausted", headers=headers)
 
     @app.exception_handler(DatabaseUnavailableError)
-    async def ledger_unavailable(_: Request, error: DatabaseUnavailableError) -> JSONResponse:
-        # The database stays unnamed to callers; the log says which. Nothing was charged: a retry may succeed.
+    async def database_unavailable(_: Request, error: DatabaseUnavailableError) -> JSONResponse:
+        # The database stays unnamed to callers; the log says which. Nothing was sent: a retry may succeed.
         logger.warning("%s", error)
-        return error_response(503, "the privacy ledger is unavailable; nothing was charged or sent upstream",
-                              type="server_error", code="ledger_unavailable", headers={"retry-after": "1"})
+        return ledger_unavailable().response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid_json(_: Request, error: RequestValidationError) -> JSONResponse:

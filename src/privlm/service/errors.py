@@ -47,6 +47,13 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
+def ledger_unavailable() -> ServiceError:
+    """A database of the privacy ledger (or memory) could not be reached: 503, the database unnamed. Nothing was sent
+    upstream; a retry may succeed (a charge may stand if the database failed after it: the safe side)."""
+    return ServiceError(503, "the privacy ledger is unavailable; nothing was sent upstream", type="server_error",
+                        code="ledger_unavailable", headers={"retry-after": "1"})
+
+
 def error_response(status: int, message: str, *, type: ErrorType = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return ServiceError(status, message, type=type, param=param, code=code, headers=headers).response()

@@ -96,14 +96,15 @@ def parse_replica_counts(text: str) -> tuple[int, ...]:
 @dataclass(kw_only=True)
 class ReplicaBenchSetting:
     """One run's sizes: ``replicas``, the gateways' numbers of replicas; ``clients``, the loads; ``ledger_calls``
-    and ``ledger_threads``, the in-process ledger timing's; ``replica_cpus``: Ray's reservation per replica."""
+    and ``ledger_threads``, the in-process ledger timing's; ``replica_cpus``: Ray's reservation per replica (None:
+    the machine's cores shared out, :meth:`cpus_per_replica`)."""
 
     replicas: tuple[int, ...] = (1, 2)
     clients: tuple[int, ...] = CLIENT_COUNTS
     requests_per_client: int = REPLICA_REQUESTS_PER_CLIENT
     ledger_calls: int = 200
     ledger_threads: int = 8
-    replica_cpus: float = 0.5
+    replica_cpus: float | None = None
     model: str = "minilm"
     seed: int = 0
 
@@ -116,7 +117,14 @@ class ReplicaBenchSetting:
         check_positive_int("requests_per_client", self.requests_per_client)
         check_positive_int("ledger_calls", self.ledger_calls)
         check_positive_int("ledger_threads", self.ledger_threads)
-        check_positive_finite("replica_cpus", self.replica_cpus)
+        if self.replica_cpus is not None:
+            check_positive_finite("replica_cpus", self.replica_cpus)
+
+    def cpus_per_replica(self, replicas: int) -> float:
+        """Ray's reservation for each of ``replicas`` replicas: ``replica_cpus``, else the machine's cores shared
+        out, as a deployment on one machine would (a replica's torch then runs on that many threads, at least one:
+        Ray sets OMP_NUM_THREADS to an actor's whole CPUs when it is not set)."""
+        return self.replica_cpus or (os.cpu_count() or 1) / replicas
 
     @property
     def chat(self) -> ChatBenchSetting:
@@ -225,7 +233,7 @@ def replica_gateway_args(port: int, *, stub_url: str, server_url: str, replicas:
             "--device", "cpu", "--server", server_url, "--eta", f"{GATEWAY_ETA:g}",
             "--chat-budget", f"{NEVER_REFUSED:g}", "--chat-ledger", chat_ledger,
             "--budget", f"{NEVER_REFUSED:g}", "--ledger", ledger,
-            *(["--ledger-secret", str(secret)] if secret is not None else [])]
+            *(["--ledger-secret", str(secret), "--chat-ledger-secret", str(secret)] if secret is not None else [])]
 
 
 @contextmanager
@@ -356,7 +364,8 @@ def run_replica_bench(setting: ReplicaBenchSetting, out_dir: Path, log: Callable
             port = free_port()
             args = replica_gateway_args(
                 port, stub_url=f"http://127.0.0.1:{stub_port}", server_url=f"http://127.0.0.1:{server_port}",
-                replicas=run.replicas, replica_cpus=setting.replica_cpus, epsilon=setting.chat.epsilon,
+                replicas=run.replicas, replica_cpus=setting.cpus_per_replica(run.replicas),
+                epsilon=setting.chat.epsilon,
                 logit_bound=folder / "logit_bound.json", chat_ledger=chat_ledger, ledger=ledger,
                 secret=secret if run.ledger == POSTGRESQL else None,
                 max_in_flight=max(32, 2 * max(setting.clients)))
@@ -365,7 +374,8 @@ def run_replica_bench(setting: ReplicaBenchSetting, out_dir: Path, log: Callable
             started = time.perf_counter()
             with ray_gateway(args, port):
                 log(f"gateway up in {time.perf_counter() - started:.0f} s")
-                rows += asyncio.run(measure_gateway(run, f"http://127.0.0.1:{port}", setting, texts, log))
+                measured = asyncio.run(measure_gateway(run, f"http://127.0.0.1:{port}", setting, texts, log))
+                rows += [{**row, "replica_cpus": setting.cpus_per_replica(run.replicas)} for row in measured]
     payload = replica_results(setting, rows, ledgers, meta=meta, logit_bound=bound, commands=commands)
     payload["environment"]["load_average"] = {"start": list(load_at_start), "end": list(os.getloadavg())}
     return write_replica_report(out_dir, payload)
@@ -432,6 +442,15 @@ def write_replica_report(out_dir: Path, payload: Mapping[str, Any]) -> list[Path
     return [out_dir / "results.json", out_dir / "results.md"]
 
 
+def _cpus_line(payload: Mapping[str, Any]) -> str:
+    """CPUs Ray reserved per replica, per number of replicas (a replica's torch runs on that many threads)."""
+    per = {r["replicas"]: r.get("replica_cpus") for r in payload["rows"] if r.get("replica_cpus") is not None}
+    if not per:
+        return "CPUs reserved per replica not recorded"
+    return "CPUs reserved per replica (its torch threads): " + ", ".join(
+        f"{per[n]:g} with {n} replica(s)" for n in sorted(per))
+
+
 def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -448,12 +467,6 @@ def _scaling_lines(payload: Mapping[str, Any]) -> list[str]:
     if most > 1 and cpus is not None and cpus <= 2:
         lines[0] += (f" On {cpus} cores, {most} replicas cannot be faster than one that already fills the cores: "
                      "they share them, and each adds its own process and memory.")
-        threads = payload["environment"].get("omp_num_threads")
-        if threads is not None and threads.isdigit() and int(threads) < cpus:
-            lines[0] += (f" One caveat: here each replica's torch runs on {threads} thread(s) (OMP_NUM_THREADS), so "
-                         "one replica alone may leave a core idle that a second one uses; a gain below comes from "
-                         "that, and from when each row ran on a shared machine, not from capacity a team would get "
-                         "from another machine.")
     for s in payload["scaling"]:
         verdict = "more" if s["throughput_ratio"] > 1 else "less" if s["throughput_ratio"] < 1 else "the same"
         busy = ("" if s.get("cpu_busy") is None or s.get("against_cpu_busy") is None else
@@ -464,10 +477,9 @@ def _scaling_lines(payload: Mapping[str, Any]) -> list[str]:
     gains = [s for s in payload["scaling"] if s["throughput_ratio"] > 1 and s.get("against_cpu_busy") is not None]
     if gains:
         idle = max(1 - s["against_cpu_busy"] for s in gains)
-        lines += ["", f"Where more replicas answered more, one replica had left up to {idle:.0%} of the cores idle "
-                      "(its Python work, HTTP, tokenizing and batching, runs one thread at a time): a second process "
-                      "used that share. That is the most more replicas can give on one machine; capacity beyond its "
-                      "cores comes only from replicas on other machines."]
+        lines += ["", f"Where more replicas answered more, one replica had left up to {idle:.0%} of the cores idle, "
+                      "and the others used that share. That is the most more replicas can give on one machine; "
+                      "capacity beyond its cores comes only from replicas on other machines."]
     return [*lines, ""]
 
 
@@ -521,7 +533,7 @@ def replica_markdown(payload: Mapping[str, Any]) -> str:
              f"memory {gateway['chat']['memory']} (every request perturbed); embeddings: SnD at eta "
              f"{gateway['embeddings']['eta']:g}, {gateway['embeddings']['sentences_per_request']} sentences per "
              f"request; {setting['requests_per_client']} requests per client after a warm-up; "
-             f"{setting['replica_cpus']:g} CPU reserved per replica; both ledgers of each gateway in a database of "
+             f"{_cpus_line(payload)}; both ledgers of each gateway in a database of "
              "its own, budgets no run reaches (every request checked and charged, none refused)", "",
              "## Throughput and latency", "",
              "| replicas | ledger | endpoint | clients | requests/s | sentences/s | p50 ms | p99 ms | replicas that "

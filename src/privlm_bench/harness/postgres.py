@@ -102,7 +102,8 @@ class PostgresServer:
             self.port_file.write_text(str(_free_port()))
             _run([str(programs / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-sync",
                   "-E", "UTF8", "--locale=C"])
-        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1"
+        # Room for every test worker's pools (up to 8 connections each) on a machine with many cores.
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c max_connections=300"
         if not self.durable:
             options += " -c fsync=off"
         _run([str(programs / "pg_ctl"), "-D", str(self.data), "-l", str(self.folder / "log"), "-o", options, "-w",
@@ -134,10 +135,14 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     server = PostgresServer(argv[1])
-    if argv[0] == "start":
-        print(server.start())
-    else:
+    if argv[0] == "stop":
         server.stop()
+        return 0
+    try:
+        print(server.start())
+    except (PostgresMissingError, RuntimeError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

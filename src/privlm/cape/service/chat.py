@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from privlm.accounting import DatabaseUnavailableError
 from privlm.cape.service.extraction import AnswerExtractor, collect_stream
 from privlm.cape.service.memory import ConversationMemory, EarlierRelease, Recalled, release_texts
 from privlm.cape.service.messages import (
@@ -56,6 +57,7 @@ from privlm.service.chat import (
     now,
     sse_event,
 )
+from privlm.service.errors import ledger_unavailable
 from privlm.service.upstream import (
     ChatUpstream,
     NothingSentError,
@@ -385,7 +387,8 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
             except Exception as refund_error:  # the charge stands: the safe side; the answer then says not to retry
                 logger.warning("request %s: the refund could not be recorded (%s)", call.id,
                                type(refund_error).__name__)
-        failure = error if isinstance(error, ServiceError) else ServiceError(
+        failure = error if isinstance(error, ServiceError) else ledger_unavailable() if isinstance(
+            error, DatabaseUnavailableError) else ServiceError(
             500, f"the gateway failed after the release ({type(error).__name__})", type="server_error",
             code="failed_after_release")
         try:

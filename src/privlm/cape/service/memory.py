@@ -98,7 +98,7 @@ class ConversationMemory:
         now = self.clock()
         found: dict[str, str] = {}
         with self._database.transaction() as session:
-            for key in dict.fromkeys(keys):
+            for key in sorted(set(keys)):  # one order for every transaction: two never wait on each other
                 rows = session.execute("SELECT value FROM memory WHERE key = ? AND used >= ?", (key, now - self.ttl))
                 if rows:
                     found[key] = rows[0][0]
@@ -109,7 +109,8 @@ class ConversationMemory:
         now = self.clock()
         with self._database.transaction() as session:
             session.execute_many("INSERT INTO memory VALUES (?, ?, ?) ON CONFLICT (key) DO UPDATE SET "
-                                 "value = excluded.value, used = excluded.used", [(k, v, now) for k, v in items])
+                                 "value = excluded.value, used = excluded.used",
+                                 sorted((k, v, now) for k, v in dict(items).items()))  # one order, as in _get
             session.execute("DELETE FROM memory WHERE used < ?", (now - self.ttl,))
             (count,), = session.execute("SELECT COUNT(*) FROM memory")
             if count > self.max_entries:

@@ -326,7 +326,10 @@ class _Release:
                 return PrivacyStepError(error, charged=privacy.ledger is not None)
             for i, result in zip(self.wanted, results, strict=True):
                 texts[i], reports[i] = result.text, result.report
-        remaining = privacy.remaining(self.request.principal)
+        try:
+            remaining = privacy.remaining(self.request.principal)
+        except DatabaseUnavailableError:  # charged and drawn already: the release stands, its report lacks this
+            remaining = None
         return PrivateTexts(texts=texts, reports=reports, mechanism=privacy.mechanism, epsilon=self.epsilon,
                             unit=privacy.unit, budget_remaining=remaining,
                             seconds=self.seconds + time.perf_counter() - started)
