@@ -210,15 +210,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-# The longest groups of a whole run (seconds on 2 workers, measured 2026-11-25), sent to the workers first: with
-# whole modules per worker, the run ends when its last module does, so a long one must never start last. "ray" is
-# the xdist group of the two Ray modules.
+# The longest groups of a whole run (seconds on 2 workers, measured 2026-11-25, the PostgreSQL ones 2026-11-26), sent
+# to the workers first: with whole modules per worker, the run ends when its last module does, so a long one must
+# never start last. "ray" is the xdist group of the Ray modules.
 LONGEST_FIRST = (
-    "ray",  # 110
+    "ray",  # 150 (the gateway's replicas: 40)
     "tests/test_cli.py",  # 90
     "tests/bench/test_sap_bench.py",  # 60
     "tests/test_cli_refusals.py",  # 55
     "tests/bench/test_cape_bench.py",  # 50
+    "tests/gateway/test_gateway_postgres.py",  # 40: a PostgreSQL server of each test's own, stopped and started
+    "tests/accounting/test_ledger.py",  # 35: every test on SQLite and on PostgreSQL
     "tests/snd/service/test_hardening.py",  # 35
     "tests/sap/service/test_vendor_server.py",  # 30
     "tests/bench/test_hardening.py",  # 25
