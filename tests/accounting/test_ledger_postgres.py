@@ -153,3 +153,21 @@ def test_a_busy_pool_refuses_in_time_but_is_kept(postgres_url):
     assert database._pool(postgres_url) is pool  # the server answers: the pool was busy, not broken
     with db.transaction() as session:
         assert session.execute("SELECT 1") == [(1,)]
+
+
+def test_a_read_only_standby_fails_closed(postgres_url, tmp_path):
+    import psycopg
+
+    ledger = Ledger(postgres_url, budgets={"epsilon": 10.0}, secret=tmp_path / "s.secret")
+    ledger.spend("alice", Spend(EPS, 1.0))
+    name = postgres_url.rsplit("/", 1)[1]
+    with psycopg.connect(postgres_url, autocommit=True) as admin:  # as a standby answers after a failover
+        admin.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+    close_pools(postgres_url)  # new connections take the setting
+    with pytest.raises(DatabaseUnavailableError, match="unavailable"):
+        ledger.spend("alice", Spend(EPS, 1.0))
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute("SET default_transaction_read_only = off")
+        admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+    close_pools(postgres_url)
+    assert ledger.spend("alice", Spend(EPS, 1.0)).total == 2.0

@@ -32,6 +32,9 @@ from urllib.parse import urlsplit, urlunsplit
 SQLITE_BUSY_TIMEOUT_S = 60.0
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 CONNECT_TIMEOUT_S = 5  # a server that does not answer in this long counts as unreachable
+STATEMENT_TIMEOUT_MS = 15_000  # no ledger statement takes this long, not even behind a busy key's row lock
+# TCP keepalives: a server gone silent (a partition) is noticed in seconds, not after the OS's hours.
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 POOL_WAIT_S = 3.0  # the longest wait for a pooled connection: then the request fails closed (a 503)
 POOL_SIZE = 8
 
@@ -229,12 +232,15 @@ class PostgresDatabase(Database):
             with pool.connection(timeout=POOL_WAIT_S) as connection, connection.transaction(), \
                     connection.cursor() as cursor:
                 yield _PostgresSession(cursor)
-        except (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout) as error:
+        except (psycopg.OperationalError, psycopg.InterfaceError, psycopg_pool.PoolTimeout,
+                psycopg.errors.ReadOnlySqlTransaction) as error:  # read-only: a standby after a failover
             if isinstance(error, psycopg.errors.TransactionRollback):  # a conflict, not an outage
                 raise
             # After an outage a new pool tries the server at once; this one would wait out its back-off. A pool
-            # that timed out only because every connection was busy is kept: the server answers.
-            if not isinstance(error, psycopg_pool.PoolTimeout) or not _answers(self.url):
+            # that was busy, a statement over its time, or a standby keep theirs when the server answers.
+            slow_or_standby = (psycopg_pool.PoolTimeout, psycopg.errors.QueryCanceled,
+                               psycopg.errors.ReadOnlySqlTransaction)
+            if not isinstance(error, slow_or_standby) or not _answers(self.url):
                 _discard_pool(self.url, pool)
             raise DatabaseUnavailableError(f"the database {self.location} is unavailable ({_reason(error)}); "
                                            "nothing was written") from None
@@ -255,7 +261,8 @@ def _pool(url: str) -> Any:
             # check: a connection the server dropped (a restart) is replaced before it is lent, not lent and failed.
             pool = ConnectionPool(url, min_size=1, max_size=POOL_SIZE, open=True, name="privlm",
                                   check=ConnectionPool.check_connection,
-                                  kwargs={"connect_timeout": CONNECT_TIMEOUT_S, "autocommit": True})
+                                  kwargs={"connect_timeout": CONNECT_TIMEOUT_S, "autocommit": True, **KEEPALIVES,
+                                          "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
             _POOLS[key] = pool
         return pool
 
