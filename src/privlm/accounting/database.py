@@ -33,8 +33,10 @@ SQLITE_BUSY_TIMEOUT_S = 60.0
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 CONNECT_TIMEOUT_S = 5  # a server that does not answer in this long counts as unreachable
 STATEMENT_TIMEOUT_MS = 15_000  # no ledger statement takes this long, not even behind a busy key's row lock
-# TCP keepalives: a server gone silent (a partition) is noticed in seconds, not after the OS's hours.
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+# A server gone silent (a partition) is noticed in seconds, not after the OS's minutes or hours: by keepalives on an
+# idle connection, by tcp_user_timeout (ms) while a request's bytes wait unacknowledged.
+SILENCE = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
+           "tcp_user_timeout": 10_000}
 POOL_WAIT_S = 3.0  # the longest wait for a pooled connection: then the request fails closed (a 503)
 POOL_SIZE = 8
 
@@ -261,7 +263,7 @@ def _pool(url: str) -> Any:
             # check: a connection the server dropped (a restart) is replaced before it is lent, not lent and failed.
             pool = ConnectionPool(url, min_size=1, max_size=POOL_SIZE, open=True, name="privlm",
                                   check=ConnectionPool.check_connection,
-                                  kwargs={"connect_timeout": CONNECT_TIMEOUT_S, "autocommit": True, **KEEPALIVES,
+                                  kwargs={"connect_timeout": CONNECT_TIMEOUT_S, "autocommit": True, **SILENCE,
                                           "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
             _POOLS[key] = pool
         return pool

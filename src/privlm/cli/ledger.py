@@ -34,5 +34,5 @@ def migrate(
     console.print(f"Copied {copied.totals} totals of {copied.principals} principals and {copied.spends} spends "
                   f"to {shown}; every total agrees.")
     if not is_database_url(source):
-        console.print(f"Start the gateway on the copy with --ledger-secret {source}.secret (its keys' ids are "
-                      "HMACs under that secret).")
+        console.print(f"Start the gateway on the copy with its secret, {source}.secret: --chat-ledger-secret for a "
+                      "chat ledger, --ledger-secret for an embeddings one (its keys' ids are HMACs under that secret).")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ChatSettings", "EmbeddingsSettings", "GatewaySettings", "GatewaySetups", "SettingError", "build",
            "build_setups", "conversation_memory", "default_chat_ledger", "default_embeddings_ledger",
-           "default_ledger_secret", "device_model", "is_database_url", "memory_beside", "require_logit_bound",
+           "default_ledger_secret", "device_model", "memory_beside", "require_logit_bound",
            "secret_for", "upstream_models"]
 
 MEMORY_CHOICES = ("auto", "process", "off")  # or a file (a location)

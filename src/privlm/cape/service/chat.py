@@ -387,10 +387,13 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
             except Exception as refund_error:  # the charge stands: the safe side; the answer then says not to retry
                 logger.warning("request %s: the refund could not be recorded (%s)", call.id,
                                type(refund_error).__name__)
-        failure = error if isinstance(error, ServiceError) else ledger_unavailable() if isinstance(
-            error, DatabaseUnavailableError) else ServiceError(
-            500, f"the gateway failed after the release ({type(error).__name__})", type="server_error",
-            code="failed_after_release")
+        if isinstance(error, ServiceError):
+            failure = error
+        elif isinstance(error, DatabaseUnavailableError):
+            failure = ledger_unavailable()
+        else:
+            failure = ServiceError(500, f"the gateway failed after the release ({type(error).__name__})",
+                                   type="server_error", code="failed_after_release")
         try:
             await asyncio.to_thread(_audit_upstream, audit, call, failure.status, failure.detail.code)
         except Exception as audit_error:  # logged by type only: an exception's message may quote the text

@@ -163,7 +163,7 @@ async def release_texts(memory: ConversationMemory | None, principal: str, texts
     try:
         earlier = await asyncio.to_thread(memory.releases, principal, texts) if texts else []
     except DatabaseUnavailableError:
-        raise  # a 503: the database is down, nothing was charged
+        raise  # a 503: the database is down; read before any charge, so nothing was charged
     except Exception as error:
         logger.warning("conversation memory could not be read (%s)", type(error).__name__)
         raise ServiceError(500, f"conversation memory could not be read ({type(error).__name__}); nothing was "
