@@ -1,6 +1,6 @@
 """Issue 22, note "A guardrail body without `request_data` gets a 400": every JSON object posted to the guardrail
 is answered 200, BLOCKED when it is not a valid request, since LiteLLM set to fail open forwards the original
-request on an error status. Only a body that is not a JSON object at all is still a 4xx.
+request on an error status. Since issue 37 (item 7), so is a body that is not a JSON object at all.
 
 The bodies are LiteLLM's own (``litellm_body``, copied from its source in tests/cape/test_guardrail.py) with one
 thing off each; the guardrail runs on a real server on localhost, without a model (nothing here gets as far as
@@ -79,8 +79,7 @@ def test_note_guardrail_a_blocked_shape_is_audited_without_its_values(tmp_path):
     assert SECRET not in json.dumps(record)
 
 
-def test_only_a_body_that_is_not_a_json_object_is_still_a_4xx(guardrail):  # a guard, not a finding
+def test_a_body_that_is_not_a_json_object_is_blocked_too(guardrail):  # issue 37, item 7 (test_round3_guardrail.py)
     for content in (b"{not json", b"[1, 2]", b'"texts"', b"null", b"7"):
         response = guardrail.post(GUARDRAIL_PATH, content=content, headers={"Content-Type": "application/json"})
-        assert response.status_code == 400, (content, response.text)
-        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert_blocked(response, "nothing may be sent")

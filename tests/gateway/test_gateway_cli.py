@@ -66,8 +66,9 @@ def test_chat_memory_settings(tmp_path):
 
     ledger = str(tmp_path / "ledger.sqlite")
     assert conversation_memory("off", days=30.0, max_entries=10, ledger=ledger) is None
-    beside = conversation_memory("auto", days=30.0, max_entries=10, ledger=ledger)
-    assert beside is not None and beside.path == tmp_path / "ledger.sqlite.memory" and beside.max_entries == 10
+    beside = conversation_memory("auto", days=30.0, max_entries=10, max_mib=0.5, ledger=ledger)
+    assert beside is not None and beside.path == tmp_path / "ledger.sqlite.memory"
+    assert beside.max_principal_entries == 10 and beside.max_principal_bytes == 2**19  # each principal's bounds
     assert beside.ttl == 30 * 86_400
     for where, ledger_location in (("auto", None), ("process", ledger)):
         memory = conversation_memory(where, days=1.0, max_entries=10, ledger=ledger_location)
@@ -93,6 +94,8 @@ BAD_FLAGS = {
                                  "--guardrail-charge"),
     "no guardrail places": ([*CHAT, "--epsilon", "6", "--logit-bound", "b.json", "--guardrail-max-in-flight", "0"],
                             "--guardrail-max-in-flight"),
+    "no memory per principal": ([*CHAT, "--epsilon", "6", "--logit-bound", "b.json", "--chat-memory-max-mib", "0"],
+                                "--chat-memory-max-mib"),
 }
 
 

@@ -88,16 +88,25 @@ class StubUpstream:
             bodies = list(self.bodies)
         return [b for b in bodies if marker is None or marker in json.dumps(b, ensure_ascii=False)]
 
+    def last_messages(self) -> list[dict[str, Any]]:
+        """The messages of the last body received."""
+        return list(self.received()[-1]["messages"])
+
+    async def take(self, request: Request) -> dict[str, Any]:
+        """Record a request's JSON body and headers (an upstream app's first step); the body."""
+        body: dict[str, Any] = json.loads(await request.body())
+        with self.lock:
+            self.bodies.append(body)
+            self.headers.append(dict(request.headers))
+        return body
+
 
 def stub_app(record: StubUpstream) -> FastAPI:
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = json.loads(await request.body())
-        with record.lock:
-            record.bodies.append(body)
-            record.headers.append(dict(request.headers))
+        body = await record.take(request)
         model = body.get("model")
         if model == SLOW:
             await asyncio.sleep(SLOW_SECONDS)

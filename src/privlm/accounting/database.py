@@ -126,6 +126,13 @@ def open_database(location: str | Path | None) -> Database:
     return PostgresDatabase(str(location)) if is_database_url(location) else SqliteDatabase(Path(location))
 
 
+def create_private_file(path: Path) -> None:
+    """Make ``path`` (and its folder) as an empty file of mode 0600 if it does not exist: a ledger, a memory or an
+    audit log is for its owner only (an existing file keeps the mode its owner gave it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))  # an existing file is only opened
+
+
 class _SqliteSession:
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
@@ -154,9 +161,12 @@ class SqliteDatabase(Database):
         if path is None:
             self._memory = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with self.connection() as db:
-            db.execute("PRAGMA journal_mode=WAL")
+        create_private_file(path)  # SQLite gives its -wal, -shm and -journal files the database file's mode
+        try:
+            with self.connection() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.DatabaseError as error:  # garbage, or another format: one line naming the file
+            raise ValueError(f"{path} is not a SQLite database ({error})") from None
 
     @contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:

@@ -85,6 +85,11 @@ def gateway(
     guardrail_max_in_flight: Annotated[int, typer.Option(help="Guardrail: its requests read or processed at once, "
                                                               "queued for the device model (places of their own, "
                                                               "not --max-in-flight's); more are BLOCKED.")] = 32,
+    guardrail_deadline: Annotated[float, typer.Option(help="Guardrail: seconds from a request's arrival to its "
+                                                           "answer, queue wait included; a request not done by then "
+                                                           "is BLOCKED and nothing of it charged. Keep it below "
+                                                           "LiteLLM's guardrail timeout (600 s unless its `timeout` "
+                                                           "is set).")] = 300.0,
     audit_log: Annotated[Path | None, typer.Option(help="Chat: audit log of what was sent (.jsonl or .sqlite); "
                                                         "never the original text.")] = None,
     restore: Annotated[bool, typer.Option("--restore/--no-restore", help="Chat: write the user's own words back "
@@ -96,8 +101,10 @@ def gateway(
                                              "file, or a postgresql:// URL.")] = "auto",
     chat_memory_days: Annotated[float, typer.Option(help="Chat: memory entries expire this long after their last "
                                                          "use.")] = 30.0,
-    chat_memory_max_entries: Annotated[int, typer.Option(help="Chat: most entries kept (the least recently used "
-                                                              "go first).")] = 100_000,
+    chat_memory_max_entries: Annotated[int, typer.Option(help="Chat: most memory entries kept per principal (its "
+                                                              "least recently used go first).")] = 10_000,
+    chat_memory_max_mib: Annotated[float, typer.Option(help="Chat: most memory kept per principal, in MiB (its least "
+                                                            "recently used entries go first).")] = 32.0,
     max_prompt_tokens: Annotated[int, typer.Option(help="Chat: most tokens perturbed per request.")] = 8192,
     upstream_timeout: Annotated[float, typer.Option(help="Chat: deadline in seconds for the upstream's whole answer "
                                                          "(the whole body, or the whole stream).")] = 300.0,
@@ -174,9 +181,11 @@ def gateway(
         message_names=message_names, extract_model=extract_model if extract else None, budget=chat_budget,
         ledger=chat_ledger, ledger_secret=None if chat_ledger_secret is None else str(chat_ledger_secret),
         guardrail=guardrail, guardrail_charge=guardrail_charge,
-        guardrail_max_in_flight=guardrail_max_in_flight, audit_log=None if audit_log is None else str(audit_log),
+        guardrail_max_in_flight=guardrail_max_in_flight, guardrail_deadline=guardrail_deadline,
+        audit_log=None if audit_log is None else str(audit_log),
         restore=restore, memory=chat_memory, memory_days=chat_memory_days,
-        memory_max_entries=chat_memory_max_entries, max_prompt_tokens=max_prompt_tokens,
+        memory_max_entries=chat_memory_max_entries, memory_max_mib=chat_memory_max_mib,
+        max_prompt_tokens=max_prompt_tokens,
         upstream_timeout=upstream_timeout, upstream_idle_timeout=upstream_idle_timeout,
         max_upstream_answer_bytes=max_upstream_answer_bytes))
     hosts = service.get("allowed_hosts")
@@ -185,6 +194,8 @@ def gateway(
         api_keys=_load_keys(api_key, None, GATEWAY_API_KEYS_ENV) if ray else keys,
         api_key_file=str(api_key_file) if ray and api_key_file else None, docs=docs,
         allowed_hosts=None if hosts is None else tuple(hosts), max_in_flight=service.get("max_in_flight")))
+    for warning in [] if chat is None else chat.warnings():  # at start, whichever way it is served
+        typer.echo(f"Warning: {warning}", err=True)
     if ray:
         _gateway_with_ray(settings, host=host, port=port, replicas=replicas, replica_cpus=replica_cpus,
                           address=ray_address, shared=not keys)

@@ -27,6 +27,7 @@ from privlm.cape.calibration import LogitBound
 from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
 from privlm.cape.service.extraction import AnswerExtractor
 from privlm.cape.service.guardrail import (
+    GUARDRAIL_DEADLINE,
     GUARDRAIL_MAX_IN_FLIGHT,
     REFUSAL_ANSWERS,
     ChargeTo,
@@ -69,6 +70,7 @@ class ChatSetup:
     guardrail: bool = False  # it charges ids its caller names: mount it only where LiteLLM alone holds a key
     guardrail_charge: ChargeTo = "key-and-end-user"
     guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT  # the guardrail route's own places (LiteLLM's burst)
+    guardrail_deadline: float = GUARDRAIL_DEADLINE  # seconds to answer, queue included: below LiteLLM's timeout
 
 
 def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: ChatSetup | None = None,
@@ -93,7 +95,7 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
                                    extractor=chat.extractor, memory=chat.memory, batcher=batcher))
         if chat.guardrail:
             routers.append(guardrail_router(chat.privacy, charge_to=chat.guardrail_charge, audit=chat.audit,
-                                            memory=chat.memory, batcher=batcher))
+                                            memory=chat.memory, batcher=batcher, deadline=chat.guardrail_deadline))
         offered += [ModelEntry(id=name, owned_by="upstream") for name in chat.models]
         health["chat"] = {"mechanism": chat.privacy.mechanism, "epsilon": chat.privacy.epsilon,
                           "upstream": chat.upstream.base_url, "guardrail": chat.guardrail}

@@ -200,11 +200,13 @@ class ChatSettings:
     guardrail: bool = False
     guardrail_charge: str = "key-and-end-user"
     guardrail_max_in_flight: int | None = None
+    guardrail_deadline: float | None = None  # None: the guardrail's default (GUARDRAIL_DEADLINE)
     audit_log: str | None = None
     restore: bool = False
     memory: str = "auto"
     memory_days: float = 30.0
-    memory_max_entries: int = 100_000
+    memory_max_entries: int = 10_000  # per principal
+    memory_max_mib: float = 32.0  # per principal
     max_prompt_tokens: int = 8192
     upstream_timeout: float = 300.0
     upstream_idle_timeout: float = 120.0
@@ -230,6 +232,7 @@ class ChatSettings:
             raise SettingError(f"must be one of {', '.join(CHARGE_TO)}", "--guardrail-charge")
         if self.guardrail_max_in_flight is not None and self.guardrail_max_in_flight < 1:
             raise SettingError(f"must be >= 1, got {self.guardrail_max_in_flight}", "--guardrail-max-in-flight")
+        _positive(self.guardrail_deadline, "--guardrail-deadline")
         if self.ledger is not None and self.budget is None:
             raise SettingError("a ledger needs a budget", "--chat-budget")
         chosen = self.text_mechanism()  # an unknown mechanism: a ValueError
@@ -238,7 +241,15 @@ class ChatSettings:
         _positive(self.memory_days, "--chat-memory-days")
         if self.memory_max_entries < 1:
             raise SettingError(f"must be >= 1, got {self.memory_max_entries}", "--chat-memory-max-entries")
+        _positive(self.memory_max_mib, "--chat-memory-max-mib")
         _check_secret_use(self.ledger_secret, [self.ledger, self.memory], "--chat-ledger-secret")
+
+    def warnings(self) -> list[str]:
+        """What the operator is told at start about settings that are taken but do less than they may seem to."""
+        if self.restore and self.guardrail:  # the guardrail only ever sees the prompt, never the answer to restore
+            return ["--restore applies to /v1/chat/completions only: the guardrail (--guardrail) does not restore, "
+                    "so LiteLLM's clients get the model's answers to the perturbed texts as they are"]
+        return []
 
     def database_secret(self) -> str | None:
         """The secret file of the chat ledger and its memory where they are on a database server: the given one,
@@ -439,7 +450,7 @@ def _embeddings_setup(settings: EmbeddingsSettings, *, shared: str) -> tuple[Emb
 def _chat_setup(settings: ChatSettings, *, device: str, shared: str) -> tuple[ChatSetup, list[str]]:
     from privlm.cape import LogitBound
     from privlm.cape.service.chat import ChatOptions
-    from privlm.cape.service.guardrail import CHARGE_TO, GUARDRAIL_MAX_IN_FLIGHT
+    from privlm.cape.service.guardrail import CHARGE_TO, GUARDRAIL_DEADLINE, GUARDRAIL_MAX_IN_FLIGHT
     from privlm.cape.service.messages import MESSAGE_NAMES
     from privlm.gateway.app import ChatSetup, mechanism_privacy
     from privlm.service.audit import AuditLog
@@ -459,8 +470,12 @@ def _chat_setup(settings: ChatSettings, *, device: str, shared: str) -> tuple[Ch
                                     budget=settings.budget, ledger_path=location,
                                     ledger_secret=secret_for(location, settings.database_secret()),
                                     max_prompt_tokens=settings.max_prompt_tokens)
+        ledger, memory_secret = privacy.ledger, secret_for(settings.memory_location(), settings.database_secret())
+        if ledger is not None and memory_secret is not None and Path(memory_secret) == ledger.secret_path:
+            _ = ledger.principals  # its check first: the memory would make a new secret in a lost one's place
         memory = conversation_memory(settings.memory, days=settings.memory_days,
-                                     max_entries=settings.memory_max_entries, ledger=location,
+                                     max_entries=settings.memory_max_entries,
+                                     max_mib=settings.memory_max_mib, ledger=location,
                                      secret=settings.database_secret())
     except SettingError:
         raise
@@ -486,7 +501,8 @@ def _chat_setup(settings: ChatSettings, *, device: str, shared: str) -> tuple[Ch
                           restore=settings.restore)
     return ChatSetup(privacy=privacy, upstream=upstream, models=listed, options=options, memory=memory, audit=audit,
                      extractor=extractor, guardrail=settings.guardrail, guardrail_charge=charge,
-                     guardrail_max_in_flight=settings.guardrail_max_in_flight or GUARDRAIL_MAX_IN_FLIGHT), notes
+                     guardrail_max_in_flight=settings.guardrail_max_in_flight or GUARDRAIL_MAX_IN_FLIGHT,
+                     guardrail_deadline=settings.guardrail_deadline or GUARDRAIL_DEADLINE), notes
 
 
 def device_model(name: str, *, device: str, int8: bool, bound: LogitBound | None) -> LanguageModel:
@@ -512,10 +528,11 @@ def device_model(name: str, *, device: str, int8: bool, bound: LogitBound | None
     return model
 
 
-def conversation_memory(where: str, *, days: float, max_entries: int, ledger: str | None,
+def conversation_memory(where: str, *, days: float, max_entries: int, ledger: str | None, max_mib: float = 32.0,
                         secret: str | None = None) -> ConversationMemory | None:
     """--chat-memory: auto (beside the ledger, :func:`memory_beside`; else this process only), process, off, or a
-    location; on a database server, named under ``secret`` (the ledger's: :func:`secret_for`)."""
+    location; on a database server, named under ``secret`` (the ledger's: :func:`secret_for`). ``max_entries`` and
+    ``max_mib``: each principal's bounds."""
     from privlm.cape.service.memory import ConversationMemory
 
     _positive(days, "--chat-memory-days")
@@ -527,7 +544,8 @@ def conversation_memory(where: str, *, days: float, max_entries: int, ledger: st
         location = None if where == "process" else where
     on_server = location is not None and is_database_url(location)
     return ConversationMemory(location, secret=secret_for(location, secret) if on_server else None,
-                              ttl_seconds=days * 86_400, max_entries=max_entries)
+                              ttl_seconds=days * 86_400, max_principal_entries=max_entries,
+                              max_principal_bytes=max(1, int(max_mib * 2**20)))
 
 
 async def upstream_models(url: str, key_env: str) -> list[str]:

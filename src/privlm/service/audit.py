@@ -9,12 +9,15 @@ requests never interleave within a record.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from privlm.accounting.database import create_private_file
 
 SQLITE_SUFFIXES = frozenset({".sqlite", ".sqlite3", ".db"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
@@ -30,7 +33,7 @@ class AuditLog:
             raise ValueError(f"audit log path must end in one of {sorted(SQLITE_SUFFIXES | JSONL_SUFFIXES)}, "
                              f"got {self.path.name!r}")
         self.kind = "sqlite" if suffix in SQLITE_SUFFIXES else "jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private_file(self.path)  # 0600: it names callers and holds what was sent
         self._lock = threading.Lock()
         if self.kind == "sqlite":
             with self._connect() as db:
@@ -46,7 +49,10 @@ class AuditLog:
         entry = {"time": stamp, "event": event, **record}
         with self._lock:
             if self.kind == "jsonl":
-                with self.path.open("a", encoding="utf-8") as out:
+                # Opened, or made 0600, in one call: a log moved away (rotated) is made again 0600, with no gap
+                # between making it and opening it in which a rotation would let the open make it 0644.
+                descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with open(descriptor, "a", encoding="utf-8") as out:
                     out.write(json.dumps(entry, ensure_ascii=False) + "\n")
                 return
             with self._connect() as db:

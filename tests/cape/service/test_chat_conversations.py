@@ -70,13 +70,18 @@ def test_a_whole_answer_is_restored_and_the_report_counts_it(stub):
                                          "upstream_content": [ECHO_PREFIX + FIRST_SENT]}
 
 
-def test_a_request_may_turn_restore_off_or_on(stub):
-    with gateway(stub, restore=False) as url:
-        plain = ask(url, [{"role": "user", "content": FIRST}])
-        asked = ask(url, [{"role": "user", "content": FIRST}], privlm={"restore": True})
+def test_a_request_may_turn_restore_off_but_not_on(stub):
+    """A gateway without --restore sends the history's answers as they are (the upstream's own words), so it
+    never restores one: a request asking for it is refused, before anything is charged or sent."""
+    with gateway(stub, restore=True) as url:
+        plain = ask(url, [{"role": "user", "content": FIRST}], privlm={"restore": False})
     assert plain.json()["choices"][0]["message"]["content"] == ECHO_PREFIX + FIRST_SENT
-    assert "x-privlm-restored" not in plain.headers
-    assert asked.json()["choices"][0]["message"]["content"] == ECHO_PREFIX + FIRST
+    assert "x-privlm-restored" not in plain.headers and "x-privlm-restore-hold-chars" not in plain.headers
+    with gateway(stub, restore=False) as url:
+        stub.clear()
+        asked = ask(url, [{"role": "user", "content": FIRST}], privlm={"restore": True})
+    assert_openai_error(asked, 400, code="restore_not_enabled", param="privlm.restore")
+    assert stub.received() == []
 
 
 def test_a_stream_is_restored_through_the_openai_client(stub):
@@ -153,7 +158,8 @@ def test_an_answer_memory_knows_goes_up_as_the_upstream_wrote_it_even_with_resto
         stub.clear()
         answer = ask(url, [{"role": "user", "content": FIRST}, {"role": "assistant", "content": restored},
                            {"role": "user", "content": SECOND}], privlm={"restore": False, "report": True})
-    assert answer.json()["privlm"]["history_rewritten"] == 1
+    texts = answer.json()["privlm"]["texts"]
+    assert [(t["role"], t["remembered"]) for t in texts] == [("user", True), ("assistant", True), ("user", False)]
     assert stub.received()[-1]["messages"][1] == {"role": "assistant", "content": ECHO_PREFIX + FIRST_SENT}
     assert not stub.received("Maria")
 

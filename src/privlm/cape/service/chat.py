@@ -21,14 +21,14 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Annotated, Any, Unpack
 
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from privlm.accounting import DatabaseUnavailableError
 from privlm.cape.service.extraction import AnswerExtractor, collect_stream
@@ -51,7 +51,6 @@ from privlm.service.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    TextPart,
     completion_id,
     message_text,
     now,
@@ -68,6 +67,8 @@ from privlm.service.upstream import (
 )
 
 MAX_REQUEST_BYTES = 4 * 2**20
+MAX_CHOICES = 128  # OpenAI's own limit on n
+MAX_REMEMBERED_CHOICES = 16  # per answer: the first choices (by index, below n) are kept by conversation memory
 UPSTREAM_PATH = "chat/completions"
 logger = logging.getLogger(__name__)
 
@@ -80,10 +81,12 @@ class PrivlmOptions(BaseModel):
                                                           "with the x-privlm-epsilon header too, the smaller one).")
     report: bool = Field(False, description="Also put the privacy report in the body (a `privlm` field).")
     restore: bool | None = Field(None, description="Restore the answer: write the user's own words back where it "
-                                                   "quotes a replacement (default: the gateway's --restore).")
+                                                   "quotes a replacement (default: the gateway's --restore; true "
+                                                   "only on a gateway started with --restore).")
 
 
 class PrivateChatRequest(ChatCompletionRequest):
+    n: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES, description=f"Choices to generate (at most {MAX_CHOICES}).")
     privlm: PrivlmOptions | None = None
 
 
@@ -94,7 +97,9 @@ class ChatOptions:
     on every answer (else only when a request asks for it). ``message_names``: the ``name`` of a perturbed
     message is dropped (and reported), perturbed like its text, or refused (400). ``perturb_tool_results``: also
     tool results and tool-call arguments, JSON-aware (:mod:`privlm.cape.service.messages`). ``restore``: restore
-    answers unless a request says otherwise (:mod:`privlm.cape.service.restore`)."""
+    answers unless a request says otherwise (:mod:`privlm.cape.service.restore`); only such a gateway restores at
+    all, and it handles every request's history as a restoring one (a request's ``restore: false`` leaves its own
+    answer unrestored, nothing more), so that no restored answer can go back upstream as it is."""
 
     perturb_system: bool = False
     non_text_parts: NonTextParts = "refuse"
@@ -155,9 +160,10 @@ class Release:
     def restorer(self, unperturbed: Sequence[str] = ()) -> Restorer:
         """The restorer of this release's replacements; ``unperturbed``: the request's other texts, which the
         upstream also saw (a replacement that occurs there too is not restored)."""
-        pairs = [(span.released, span.original_in(original))
-                 for original, spans in zip(self.originals, self.recalled.spans, strict=True) for span in spans]
-        return Restorer.of(pairs, [*self.result.texts, *unperturbed])
+        replacements = [span.replacement_in(original)  # with the original's spaces, so no sub-word is split
+                        for original, spans in zip(self.originals, self.recalled.spans, strict=True)
+                        for span in spans]
+        return Restorer.of(replacements, [*self.result.texts, *unperturbed])
 
 
 def privacy_headers(result: PrivateTexts, request_id: str, dropped: Sequence[str] = ()) -> dict[str, str]:
@@ -209,18 +215,22 @@ class _Call:
     conversation memory keeps (never an original)."""
 
     def __init__(self, request: PrivateChatRequest, principal: str, release: Release, *, report_in_body: bool,
-                 restore: bool, memory: ConversationMemory | None = None) -> None:
+                 restore: bool, keep_answers: bool = False, memory: ConversationMemory | None = None) -> None:
         self.request, self.principal, self.release, self.memory = request, principal, release, memory
         self.result, self.slots, self.dropped = release.result, release.slots, release.dropped
         self.id = f"privlm-{uuid.uuid4().hex[:16]}"
         options = request.privlm
         self.report = report_in_body or bool(options and options.report)
-        self.restorer = release.restorer(_unperturbed_texts(request, release.slots)) if restore else None
-        self.history: list[tuple[TextSlot, str]] = []  # assistant texts sent as the upstream wrote them
+        self.restoring = restore
+        # Answers are kept (restored or not) by a gateway that restores: the restorer of a request that asked for
+        # none restores nothing, and only passes the answer on to be kept.
+        self.keep_answers = keep_answers and memory is not None
+        self.restorer = (release.restorer(_unperturbed_texts(request, release.slots)) if restore
+                         else Restorer({}) if self.keep_answers else None)
         self.headers = privacy_headers(self.result, self.id, self.dropped)
         if memory is not None:
             self.headers["x-privlm-texts-remembered"] = str(sum(release.remembered))
-        if self.restorer is not None:
+        if self.restoring and self.restorer is not None:
             self.headers["x-privlm-restore-hold-chars"] = str(self.restorer.longest)
         self.refund: float | None = None  # what was given back, when the upstream received nothing
 
@@ -240,48 +250,38 @@ class _Call:
         return self.headers if self.refund is not None else {**self.headers, "x-should-retry": "false"}
 
     def body(self) -> dict[str, Any]:
-        """The request to forward: the perturbed texts in place, earlier answers as the upstream wrote them, the
-        dropped fields and privlm's field removed, nothing else changed."""
+        """The request to forward: the perturbed texts (and earlier answers as the upstream wrote them) in place,
+        the dropped fields and privlm's field removed, nothing else changed."""
         sent = self.request.model_dump(mode="json", exclude_unset=True, exclude={"privlm"})
-        sent = with_texts(sent, self.slots, self.result.texts, self.dropped)
-        return with_texts(sent, [slot for slot, _ in self.history], [text for _, text in self.history])
-
-    def earlier_answers(self) -> None:
-        """Without restore (blocking): each assistant text of the history that memory knows as an answer the
-        gateway returned goes up as the upstream wrote it (a request may turn restore off after one that had it
-        on). One it does not know goes as it is, as without memory: keep restore on for a whole conversation."""
-        if self.memory is None:
-            return
-        slots, texts = _assistant_texts(self.request)
-        known = self.memory.releases(self.principal, texts) if texts else []
-        self.history = [(slot, before.text) for slot, text, before in zip(slots, texts, known, strict=True)
-                        if before is not None and before.text != text]
+        return with_texts(sent, self.slots, self.result.texts, self.dropped)
 
     async def remember_release(self) -> None:
         """Keep what this request perturbed, now that the upstream has received it (kept before, a concurrent
         repeat could go up free while this request, never sent, is refunded). A failure only means that a later
         repeat is released afresh, and charged: it is logged, not raised."""
         if self.memory is not None and self.release.new:
-            await self._remember(self.release.new)
+            await self._remember(self.memory.remember_releases, self.release.new)
 
-    async def remember_answers(self, answers: Sequence[tuple[str, str]]) -> None:
-        """Keep each ``(as returned, as the upstream wrote it)`` answer, restored or not, so that it goes back
-        upstream as the upstream wrote it, free, when the client sends it as history."""
-        if self.memory is not None and answers:
-            await self._remember([(returned, EarlierRelease(upstream)) for returned, upstream in answers])
+    async def remember_answers(self, answers: dict[int, tuple[str, str]]) -> None:
+        """Keep each choice's ``(as returned, as the upstream wrote it)`` answer, restored or not, so that it goes
+        back upstream as the upstream wrote it, free, when the client sends it back as the same whole assistant
+        message. Only the first choices the request asked for are kept (:data:`MAX_REMEMBERED_CHOICES`): an
+        upstream's extra choices are not, so a client that sends one back has it perturbed and charged."""
+        wanted = min(self.request.n or 1, MAX_REMEMBERED_CHOICES)
+        kept = [answers[index] for index in sorted(answers) if 0 <= index < wanted]
+        if self.memory is not None and self.keep_answers and kept:
+            await self._remember(self.memory.remember_answers, kept)
 
-    async def _remember(self, items: list[tuple[str, EarlierRelease]]) -> None:
-        assert self.memory is not None
+    async def _remember(self, keep: Callable[[str, Any], None], items: Sequence[Any]) -> None:
         try:
-            await asyncio.to_thread(self.memory.remember_releases, self.principal, items)
+            await asyncio.to_thread(keep, self.principal, items)
         except Exception as error:
             logger.warning("request %s: conversation memory could not keep a text (%s)", self.id,
                            type(error).__name__)
 
     def report_field(self) -> dict[str, Any]:
         report = privacy_report(self.result, self.slots, self.id, self.dropped, self.release.remembered)
-        report["history_rewritten"] = len(self.history)
-        if self.restorer is not None:
+        if self.restoring and self.restorer is not None:
             report["restore"] = {"replacements": len(self.restorer.forward), "hold_chars": self.restorer.longest}
         return report
 
@@ -304,21 +304,13 @@ def _unperturbed_texts(request: ChatCompletionRequest, slots: Sequence[TextSlot]
     return [message_text(m.content) for i, m in enumerate(request.messages) if i not in perturbed]
 
 
-def _assistant_texts(request: ChatCompletionRequest) -> tuple[list[TextSlot], list[str]]:
-    """Every text of the history's assistant messages (a string content, or each text part), with its place."""
-    slots, texts = [], []
-    for i, message in enumerate(request.messages):
-        if message.role != "assistant" or message.content is None:
-            continue
-        if isinstance(message.content, str):
-            slots.append(TextSlot(i, None, "assistant"))
-            texts.append(message.content)
-            continue
-        for j, part in enumerate(message.content):
-            if isinstance(part, TextPart):
-                slots.append(TextSlot(i, j, "assistant"))
-                texts.append(part.text)
-    return slots, texts
+def _whole_answer(request: ChatCompletionRequest, slot: TextSlot) -> bool:
+    """Whether a slot holds a whole assistant message's text (a string content, or its one part): the only place
+    where an answer the gateway returned may go back up as the upstream wrote it (memory's module doc)."""
+    if slot.role != "assistant" or slot.field != "content" or slot.json_path is not None:
+        return False
+    content = request.messages[slot.message].content
+    return slot.part is None or (isinstance(content, list) and len(content) == 1)
 
 
 def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerKeys,
@@ -332,37 +324,38 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
     router = APIRouter(tags=["chat"])
     perturbing = batcher or privacy.batched()  # concurrent requests share forward passes, callers taking turns
 
-    async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: str | None, *,
-                        restoring: bool) -> Release:
+    # With extraction, or on a gateway that restores (whatever one request asks), an assistant text of the history
+    # may hold the user's words: it is perturbed, unless memory knows it as an answer the gateway returned (then it
+    # goes up as the upstream wrote it). Without either, every answer returned was the upstream's own words.
+    perturb_assistant = extractor is not None or options.restore
+    keep_answers = options.restore and extractor is None
+
+    async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: Sequence[str]) -> Release:
         epsilon = _request_epsilon(privacy, request, header_epsilon)
-        # With extraction or restore, an assistant text of the history may hold the user's words: it is perturbed,
-        # unless memory knows it as an answer the gateway returned (then it goes up as the upstream wrote it).
-        assistant = extractor is not None or restoring
-        fields = perturbed_fields(request, perturb_system=options.perturb_system, perturb_assistant=assistant,
-                                  non_text_parts=options.non_text_parts, message_names=options.message_names,
+        fields = perturbed_fields(request, perturb_system=options.perturb_system,
+                                  perturb_assistant=perturb_assistant, non_text_parts=options.non_text_parts,
+                                  message_names=options.message_names,
                                   perturb_tool_results=options.perturb_tool_results)
         caller = principal if not auth.open else f"request-{uuid.uuid4()}"
 
         async def perturb(texts: list[str]) -> PrivateTexts:
             return await perturbing.privatize(texts, principal=principal, epsilon=epsilon, caller=caller)
 
-        recalled = await release_texts(memory, principal, fields.texts, perturb, check=privacy.check_lengths)
+        recalled = await release_texts(memory, principal, fields.texts, perturb, check=privacy.check_lengths,
+                                       whole_answers=[_whole_answer(request, slot) for slot in fields.slots])
         return Release(recalled, fields.slots, list(fields.texts), list(fields.dropped))
 
     async def chat_completions(request: PrivateChatRequest, principal: str = Depends(auth.dependency),
-                               x_privlm_epsilon: str | None = Header(None)) -> Response:
-        wanted = request.privlm.restore if request.privlm and request.privlm.restore is not None else options.restore
-        restoring = wanted and extractor is None
-        release = await privatize(request, principal, x_privlm_epsilon, restoring=restoring)
+                               x_privlm_epsilon: Annotated[list[str] | None, Header()] = None) -> Response:
+        restoring = _restoring(request, options) and extractor is None
+        release = await privatize(request, principal, x_privlm_epsilon or [])
         call = _Call(request, principal, release, report_in_body=options.report_in_body, restore=restoring,
-                     memory=memory)
+                     keep_answers=keep_answers, memory=memory)
         try:
             if audit is not None:
                 await asyncio.to_thread(audit.write, "released", audit_record(
                     call.result, call.slots, call.id, principal, request.model, bool(request.stream), call.dropped,
                     release.remembered))
-            if not restoring and extractor is None:
-                await asyncio.to_thread(call.earlier_answers)
         except Exception as error:  # an unrecorded release is not sent: nothing crossed
             raise await failed_after_release(call, error, nothing_sent=True) from None
         try:
@@ -410,19 +403,32 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
     return router
 
 
-def _request_epsilon(privacy: PromptPrivacy, request: PrivateChatRequest, header: str | None) -> float:
-    """The request's epsilon: the smaller of the body's ``privlm.epsilon`` and the ``x-privlm-epsilon`` header
-    (each checked; an absent one counts as the gateway's own), so that neither can raise the other."""
+def _restoring(request: PrivateChatRequest, options: ChatOptions) -> bool:
+    """Whether this request's answer is restored: the gateway's ``--restore`` unless the request turns it off. A
+    request may not turn it on where the gateway has it off: that gateway sends the history's answers as they are
+    (the upstream's own words), so a restored one would cross."""
+    asked = request.privlm.restore if request.privlm else None
+    if asked and not options.restore:
+        raise ServiceError(400, "privlm.restore: this gateway does not restore answers (start it with --restore); "
+                                "a restored answer sent back as history would cross as it is",
+                           param="privlm.restore", code="restore_not_enabled")
+    return options.restore if asked is None else asked
+
+
+def _request_epsilon(privacy: PromptPrivacy, request: PrivateChatRequest, headers: Sequence[str]) -> float:
+    """The request's epsilon: the smallest of the body's ``privlm.epsilon`` and every ``x-privlm-epsilon`` value
+    (each checked; an absent one counts as the gateway's own), so that none can raise another: a header repeated,
+    or a list in one header (a proxy appending its cap), gives its smallest value."""
     body = request.privlm.epsilon if request.privlm else None
-    from_body = privacy.resolve_epsilon(body, param="privlm.epsilon")
-    if header is None:
-        return from_body
-    try:
-        value = float(header)
-    except ValueError:
-        raise ServiceError(400, "the x-privlm-epsilon header must be a number", param="x-privlm-epsilon",
-                           code="invalid_epsilon") from None
-    return min(from_body, privacy.resolve_epsilon(value, param="x-privlm-epsilon"))
+    asks = [privacy.resolve_epsilon(body, param="privlm.epsilon")]
+    for value in (item for header in headers for item in header.split(",")):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ServiceError(400, "the x-privlm-epsilon header must be a number (or numbers, the smallest "
+                                    "counting)", param="x-privlm-epsilon", code="invalid_epsilon") from None
+        asks.append(privacy.resolve_epsilon(number, param="x-privlm-epsilon"))
+    return min(asks)
 
 
 def _audit_upstream(audit: AuditLog | None, call: _Call, status: int, code: str | None = None) -> None:
@@ -439,8 +445,8 @@ async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtrac
     headers = {**answer.headers, **(call.headers if answer.ok else call.failure_headers())}
     if not answer.ok or not (call.report or extractor is not None or call.restorer is not None):
         return Response(answer.body, status_code=answer.status, headers=headers)
-    try:
-        body = json.loads(answer.body)
+    try:  # parsed, restored and written off the event loop: an answer may be 32 MiB
+        body = await asyncio.to_thread(json.loads, answer.body)
     except ValueError:
         raise ServiceError(502, "the upstream answered with invalid JSON", type="upstream_error",
                            code="upstream_invalid") from None
@@ -449,16 +455,24 @@ async def _complete(answer: UpstreamAnswer, call: _Call, extractor: AnswerExtrac
                                        limit=call.answer_limit())
     restored = None
     if call.restorer is not None:
-        restored = _restore_completion(body, call.restorer)
-        headers["x-privlm-restored"] = str(restored)
+        count = await asyncio.to_thread(_restore_completion, body, call.restorer)
         await call.remember_answers(_returned_pairs(body))
+        if call.restoring:
+            restored = count
+            headers["x-privlm-restored"] = str(restored)
     if call.report:
         body["privlm"] = call.report_field()
         if restored is not None:  # the upstream's own words too: it wrote them, so they are no secret here
             body["privlm"]["restore"] |= {"restored": restored, "upstream_content": _upstream_contents(body)}
     _upstream_contents(body)  # the private key never goes out
     headers.pop("content-type", None)
-    return JSONResponse(body, status_code=answer.status, headers=headers)
+    content = await asyncio.to_thread(_json_bytes, body)
+    return Response(content, status_code=answer.status, headers=headers, media_type="application/json")
+
+
+def _json_bytes(body: Any) -> bytes:
+    """``body`` as JSONResponse writes it (UTF-8, compact)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 _UPSTREAM_CONTENT = "_privlm_upstream_content"  # a choice's content as the upstream wrote it; never sent out
@@ -477,10 +491,18 @@ def _restore_completion(body: dict[str, Any], restorer: Restorer) -> int:
     return total
 
 
-def _returned_pairs(body: dict[str, Any]) -> list[tuple[str, str]]:
-    """Each choice's ``(content as returned, as the upstream wrote it)``."""
-    return [(m["content"], m.get(_UPSTREAM_CONTENT, m["content"])) for m in _messages(body)
-            if isinstance(m.get("content"), str)]
+def _returned_pairs(body: dict[str, Any]) -> dict[int, tuple[str, str]]:
+    """By choice index, each choice's ``(content as returned, as the upstream wrote it)`` (the first of an index
+    the upstream sent twice)."""
+    choices = body.get("choices")
+    pairs: dict[int, tuple[str, str]] = {}
+    for choice in choices if isinstance(choices, list) else []:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        index = choice.get("index", 0) if isinstance(choice, dict) else None
+        if (isinstance(message, dict) and isinstance(message.get("content"), str) and isinstance(index, int)
+                and not isinstance(index, bool)):
+            pairs.setdefault(index, (message["content"], str(message.get(_UPSTREAM_CONTENT, message["content"]))))
+    return pairs
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -568,29 +590,42 @@ async def _restored_events(answer: UpstreamStream, call: _Call, restorer: Restor
             if event.strip() == SSE_DONE.strip():
                 for chunk in _held_tails(choices, sent, last):
                     yield chunk
-                await call.remember_answers([("".join(p for _, p in pieces), "".join(u for u, _ in pieces))
-                                             for pieces in sent.values()])
-                if call.report:
+                await call.remember_answers({index: ("".join(p for _, p in pieces), "".join(u for u, _ in pieces))
+                                             for index, pieces in sent.items()})
+                if call.report and call.restoring:
                     yield _restore_event(call, choices.values())
             yield event
             continue
         last = payload
-        for choice in payload.get("choices") or []:
-            index = choice.get("index", 0) if isinstance(choice, dict) else None
-            delta = choice.get("delta") if isinstance(choice, dict) else None
-            if not isinstance(index, int) or not isinstance(delta, dict):
-                continue
-            stream = choices.setdefault(index, restorer.stream())
-            content = delta.get("content")
-            passed = stream.feed(content) if isinstance(content, str) else ""
-            if choice.get("finish_reason") is not None:
-                passed += stream.flush()
-            if isinstance(content, str) or passed:
-                delta["content"] = passed
-                sent.setdefault(index, []).append((content if isinstance(content, str) else "", passed))
+        if len(event) > _RESTORE_INLINE_BYTES:  # off the event loop: a long chunk may hold many replacements
+            await asyncio.to_thread(_restore_chunk, payload, restorer, choices, sent)
+        else:
+            _restore_chunk(payload, restorer, choices, sent)
         yield sse_event(payload)
     for chunk in _held_tails(choices, sent, last):  # a stream that ended without [DONE]
         yield chunk
+
+
+_RESTORE_INLINE_BYTES = 2**16  # a stream's chunk above this is restored in a worker thread
+
+
+def _restore_chunk(payload: dict[str, Any], restorer: Restorer, choices: dict[int, StreamRestorer],
+                   sent: dict[int, list[tuple[str, str]]]) -> None:
+    """Restore one chunk's choices in place, each through its choice's stream restorer (``choices``), and note
+    per choice what the upstream wrote and what was passed on (``sent``)."""
+    for choice in payload.get("choices") or []:
+        index = choice.get("index", 0) if isinstance(choice, dict) else None
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(index, int) or not isinstance(delta, dict):
+            continue
+        stream = choices.setdefault(index, restorer.stream())
+        content = delta.get("content")
+        passed = stream.feed(content) if isinstance(content, str) else ""
+        if choice.get("finish_reason") is not None:
+            passed += stream.flush()
+        if isinstance(content, str) or passed:
+            delta["content"] = passed
+            sent.setdefault(index, []).append((content if isinstance(content, str) else "", passed))
 
 
 def _chunk_payload(event: bytes) -> dict[str, Any] | None:

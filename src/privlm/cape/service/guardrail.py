@@ -24,7 +24,8 @@ What LiteLLM sends, and what this endpoint does with it:
   - ``additional_provider_specific_params.epsilon`` (LiteLLM's config) and the client's ``x-privlm-epsilon``
     header, which LiteLLM 1.108.7 forwards in ``request_headers`` only when the guardrail's ``extra_headers``
     names it (otherwise as ``"[present]"``, which is BLOCKED: the client asked for an epsilon it would not get):
-    each may lower the epsilon per token, never raise it; the smaller one applies. The client's dynamic guardrail
+    each may lower the epsilon per token, never raise it; the smallest applies (a header's values joined as
+    ``"6, 1"`` count one by one). The client's dynamic guardrail
     params (``extra_body``) never reach a pre-call guardrail in 1.108.7 (docs/litellm.md).
   - ``images``: Cape perturbs text only. ``images="block"`` (default) blocks a request with images;
     ``images="pass"`` lets them through unchanged (they reach the model as they are).
@@ -36,14 +37,22 @@ answered ``200`` with ``action: BLOCKED`` and a ``blocked_reason`` naming the ca
 is left), never the text: budget exhausted, privacy step failed, images, over-long texts, an epsilon above
 the limit, a missing id, an audit log that cannot be written, or any unexpected error. So is every JSON object
 that does not hold a valid request (no ``request_data`` or ``request_data: null``, no or another ``input_type``,
-``texts`` that are not strings, a field of the wrong type): the reason names the fields, never their values.
-So are the scaffolding's refusals of a request it cannot take now or at all: the route full, too many open
-connections, a body too large or too slow (:data:`REFUSAL_ANSWERS`). The route has in-flight places of its own
-(:func:`guardrail_lanes`, ``guardrail_max_in_flight``), apart from the service's ``max_in_flight`` and its
-per-caller quarter: a burst from LiteLLM, one caller, queues for the device model up to that bound, and only beyond
-it is BLOCKED. Only a body that is not a JSON object at all gets a 4xx (OpenAI's error shape), as do a missing or
-wrong key (401) and a wrong ``Host``: with ``fail_on_error: false`` LiteLLM lets the original through on those, so
-keep LiteLLM's default.
+``texts`` that are not strings, a field of the wrong type): the reason names the fields, never their values;
+and every body that is not a JSON object at all (invalid JSON, nested too deep to parse, an array, ``null``): the
+route reads its body itself, so that FastAPI's 400 never answers it. So are the scaffolding's refusals of a
+request it cannot take now or at all: the route full, too many open connections, a body too large or too slow
+(:data:`REFUSAL_ANSWERS`). The route has in-flight places of its own (:func:`guardrail_lanes`,
+``guardrail_max_in_flight``), apart from the service's ``max_in_flight`` and its per-caller quarter: a burst from
+LiteLLM, one caller, queues for the device model up to that bound, and only beyond it is BLOCKED. And so is a
+request whose answer is not ready ``deadline`` seconds (:data:`GUARDRAIL_DEADLINE`) after its body arrived, queue
+wait included: by then LiteLLM may have given up on it (its own timeout; with ``fail_open`` it then forwards the
+original). No charge of it stands: the deadline is checked before the request is handed to the device model
+(nothing charged), and a release it overtakes (waiting for a batch, or in one) is seen through and its charge given
+back, as is one charged in time but done, or audited, after the deadline; the audit log says which (a refund the
+ledger cannot record leaves the charge standing: ``refunded`` is then null). Nothing but the answer follows the last
+check: the memory write runs in the background, and a later request of the same principal waits for it. Only a
+missing or wrong key (401) and a wrong ``Host`` get an error status (OpenAI's shape): with ``fail_on_error: false``
+LiteLLM lets the original through on those, so keep LiteLLM's default.
 
 The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer`` or
 ``x-api-key``, where LiteLLM sends its ``api_key`` setting; docs/litellm.md).
@@ -55,16 +64,17 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal, Unpack
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, Literal, Unpack
 
-from fastapi import APIRouter, Body, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from privlm._validation import check_positive_finite
 from privlm.accounting import BudgetExhaustedError, joint_principal
 from privlm.cape.service.chat import privacy_headers
-from privlm.cape.service.memory import ConversationMemory, release_texts
+from privlm.cape.service.memory import ConversationMemory, EarlierRelease, release_texts
 from privlm.cape.service.privacy import PrivacyBatcher, PrivateTexts, PromptPrivacy
 from privlm.service import BearerKeys, ServiceError, ServiceOptions, create_service_app
 from privlm.service.app import field_path
@@ -81,6 +91,10 @@ EPSILON_PARAM = "additional_provider_specific_params.epsilon"
 EPSILON_HEADER = "x-privlm-epsilon"  # the chat gateway's header; LiteLLM forwards it if extra_headers names it
 LITELLM_HIDDEN_VALUE = "[present]"  # what LiteLLM sends in request_headers for a header it does not forward
 GUARDRAIL_MAX_IN_FLIGHT = MAX_IN_FLIGHT  # the route's own places: all of them LiteLLM's, none of the other routes'
+# Seconds from the body's arrival to the answer, queue included; then BLOCKED, uncharged. Below LiteLLM 1.108.7's
+# default guardrail timeout, 600 s (its HTTP client's, with `timeout` and `request_timeout` unset), so that privlm
+# answers before LiteLLM gives up (and, set to fail open, forwards the original).
+GUARDRAIL_DEADLINE = 300.0
 
 ChargeTo = Literal["key-and-end-user", "key", "end-user"]
 CHARGE_TO: tuple[ChargeTo, ...] = ("key-and-end-user", "key", "end-user")
@@ -135,14 +149,33 @@ class GuardrailResponse(BaseModel):
 
 
 class _BlockedError(Exception):
-    """A request that must not reach the model; the message names why, never the text."""
+    """A request that must not reach the model; the message names why, never the text. ``audited``: more for its
+    audit record (numbers, never text)."""
 
-    def __init__(self, reason: str, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, reason: str, headers: Mapping[str, str] | None = None,
+                 audited: Mapping[str, Any] | None = None) -> None:
         super().__init__(reason)
-        self.reason, self.headers = reason, dict(headers or {})
+        self.reason, self.headers, self.audited = reason, dict(headers or {}), dict(audited or {})
 
 
 MAX_NAMED_ERRORS = 5
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, read here rather than by FastAPI, so that a body that is not one (invalid JSON,
+    nested too deep to parse, not UTF-8, an array, a string...) is BLOCKED like any other bad request, not a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _BlockedError(f"privlm: the body is not JSON that can be read ({type(error).__name__}); nothing may "
+                            "be sent") from None
+    if not isinstance(body, dict):
+        raise _BlockedError(f"privlm: the body is a JSON {_JSON_KINDS.get(type(body), 'value')}, not LiteLLM's "
+                            "guardrail request (an object); nothing may be sent")
+    return body
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def _parsed(body: dict[str, Any]) -> GuardrailRequest:
@@ -206,10 +239,11 @@ def _principal(data: LiteLLMRequestData, charge_to: ChargeTo, privacy: PromptPri
 
 
 def _epsilon(request: GuardrailRequest, privacy: PromptPrivacy) -> float:
-    """The smaller of the config's ``additional_provider_specific_params.epsilon`` and the client's
+    """The smallest of the config's ``additional_provider_specific_params.epsilon`` and every value of the client's
     ``x-privlm-epsilon`` header as LiteLLM forwards it (each checked; an absent one counts as the guardrail's own),
-    so that neither can raise the other. A header LiteLLM forwarded as ``[present]`` only is blocked: the client
-    asked for an epsilon it would not get."""
+    so that none can raise another: a header repeated and joined into one value (``"6, 1"``, as HTTP allows: a proxy
+    appending its cap) gives its smallest, as on the chat route. A header LiteLLM forwarded as ``[present]`` only is
+    blocked: the client asked for an epsilon it would not get."""
     asks: list[tuple[Any, str]] = [((request.additional_provider_specific_params or {}).get("epsilon"), EPSILON_PARAM)]
     for name, value in (request.request_headers or {}).items():
         if name.lower() != EPSILON_HEADER:
@@ -219,9 +253,9 @@ def _epsilon(request: GuardrailRequest, privacy: PromptPrivacy) -> float:
             raise _BlockedError(f"privlm: the client sent {EPSILON_HEADER}, but LiteLLM forwarded only that it was "
                                 f"there; add {EPSILON_HEADER} to the guardrail's extra_headers")
         try:
-            asks.append((float(value), param))
+            asks.extend((float(item), param) for item in value.split(","))
         except ValueError:
-            raise _BlockedError(f"privlm: {param} must be a number") from None
+            raise _BlockedError(f"privlm: {param} must be a number (or numbers, the smallest counting)") from None
     return min(privacy.resolve_epsilon(value, param=param) for value, param in asks)
 
 
@@ -257,9 +291,15 @@ def _ids(request: GuardrailRequest, request_id: str) -> dict[str, Any]:
             "model": request.model}
 
 
-_BODY_DESCRIPTION = ("LiteLLM's GenericGuardrailAPIRequest (`input_type`, `texts`, `request_data`, ...: the "
-                     "`GuardrailRequest` model of privlm.cape.service.guardrail). Any JSON object is answered 200: "
-                     "one that is not a valid request is BLOCKED, with the fields at fault named.")
+_BODY_DESCRIPTION = ("LiteLLM's GenericGuardrailAPIRequest, a JSON object (`input_type`, `texts`, `request_data`, "
+                     "...: the `GuardrailRequest` model of privlm.cape.service.guardrail). Every body is answered "
+                     "200: one that is not a valid request (none, not JSON, not an object, a field at fault) is "
+                     "BLOCKED, naming why.")
+# The body is read by the route itself (:func:`_json_object`), so FastAPI would not document it: declared here, as
+# what the route takes, every body (none, or any JSON value) answered 200; the fields of one that holds a request
+# are those of `GuardrailRequest`.
+_BODY_DOCUMENT = {"requestBody": {"required": False, "description": _BODY_DESCRIPTION,
+                                  "content": {"application/json": {"schema": {}}}}}
 
 
 def guardrail_lanes(max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT) -> dict[str, Lane]:
@@ -270,16 +310,30 @@ def guardrail_lanes(max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT) -> dict[str, L
 
 def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-end-user",
                      audit: AuditLog | None = None, images: ImagePolicy = "block",
-                     memory: ConversationMemory | None = None, batcher: PrivacyBatcher | None = None) -> APIRouter:
+                     memory: ConversationMemory | None = None, batcher: PrivacyBatcher | None = None,
+                     deadline: float = GUARDRAIL_DEADLINE) -> APIRouter:
     """``POST /beta/litellm_basic_guardrail_api`` (see the module doc); mount it behind the app's keys, with
     :data:`REFUSAL_ANSWERS` and :func:`guardrail_lanes`. ``memory``: conversation memory (a text released before
-    for the same principal is sent as it was, free: LiteLLM sends the whole history every turn)."""
+    for the same principal is sent as it was, free: LiteLLM sends the whole history every turn). ``deadline``:
+    seconds from the body's arrival by which the privacy step must be done, queue wait included, else BLOCKED and
+    uncharged; keep it below LiteLLM's guardrail timeout."""
     if charge_to not in CHARGE_TO:
         raise ValueError(f"charge_to must be one of {', '.join(CHARGE_TO)}; got {charge_to!r}")
     if images not in ("block", "pass"):
         raise ValueError(f"images must be 'block' or 'pass', got {images!r}")
+    deadline = check_positive_finite("guardrail_deadline", deadline)
     router = APIRouter(tags=["litellm"])
     perturbing = batcher or privacy.batched()  # shared with the app's chat route, if any: one device model
+    # Work that outlives its request (an overtaken release given back, a memory write after the answer): held here
+    # until it finishes, since the loop keeps only weak references to tasks.
+    background: set[asyncio.Task[None]] = set()
+    writing: dict[str, set[asyncio.Task[None]]] = {}  # memory writes still running, by memory principal
+
+    def in_background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(work)
+        background.add(task)
+        task.add_done_callback(background.discard)
+        return task
 
     async def record(event: str, entry: Mapping[str, Any]) -> bool:
         """Write to the audit log, if any; False if it could not be written."""
@@ -291,7 +345,72 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-e
             return False
         return True
 
-    async def perturb(request: GuardrailRequest, request_id: str) -> JSONResponse:
+    async def refund(result: PrivateTexts, principal: str) -> float | None:
+        """Give back what a release that never left cost; None if the ledger could not (the charge stands)."""
+        try:
+            await asyncio.to_thread(privacy.refund, result, principal=principal)
+        except Exception as error:
+            logger.warning("a refund could not be recorded; the charge stands (%s)", type(error).__name__)
+            return None
+        return result.spent
+
+    def overtaken(audited: Mapping[str, Any], given_back: bool = True) -> _BlockedError:
+        """BLOCKED for the deadline; ``given_back``: False when the ledger could not record the refund."""
+        charge = "no charge stands" if given_back else "its charge stands (the ledger could not record the refund)"
+        return _BlockedError(f"privlm: the guardrail's deadline ({deadline:g} s) passed before the answer was ready "
+                             f"(queue wait included); nothing may be sent, and {charge}",
+                             audited={"guardrail_deadline_s": deadline, **audited})
+
+    async def too_late(result: PrivateTexts, principal: str) -> _BlockedError:
+        """A release charged in time but not answered by the deadline: it never leaves, so it is given back."""
+        refunded = await refund(result, principal)
+        return overtaken({"refunded": refunded}, given_back=refunded is not None)
+
+    def give_back_when_done(release: asyncio.Future[PrivateTexts], principal: str, ids: Mapping[str, Any]) -> None:
+        """A release the deadline overtook, never to be answered: a batch may have taken it (and charged it, or be
+        about to), and cancelling it then would lose what it charged. So it is seen through, and given back."""
+        async def give_back() -> None:
+            try:
+                result = await release
+            except Exception:  # refused, or failed (whose charge stands, as on every path): nothing to give back
+                return
+            refunded = await refund(result, principal)
+            await record("refunded", {**ids, "principal": principal, "refunded": refunded,
+                                      "why": "the guardrail's deadline passed before this release was done; it "
+                                             "was never answered"})
+
+        in_background(give_back())
+
+    async def remember(kept: ConversationMemory, principal: str, new: Sequence[tuple[str, EarlierRelease]]) -> None:
+        try:
+            await asyncio.to_thread(kept.remember_releases, principal, new)
+        except Exception as error:  # a later repeat is then released afresh, and charged
+            logger.warning("conversation memory could not keep a release (%s)", type(error).__name__)
+
+    def remember_after_answer(kept: ConversationMemory, principal: str,
+                              new: Sequence[tuple[str, EarlierRelease]]) -> None:
+        """Keep releases in the background, so that a slow write cannot hold the answer past the deadline; a later
+        request of the same principal waits for the write (:func:`written`), so that it still finds them."""
+        writes = writing.setdefault(principal, set())
+        task = in_background(remember(kept, principal, new))
+        writes.add(task)
+
+        def done(finished: asyncio.Task[None]) -> None:
+            writes.discard(finished)
+            if not writes and writing.get(principal) is writes:
+                del writing[principal]
+
+        task.add_done_callback(done)
+
+    async def written(principal: str, deadline_at: float) -> None:
+        """The principal's memory writes still running, waited for until the deadline at most (a repeat sent before
+        its release was kept would otherwise be released afresh, and charged)."""
+        if writes := writing.get(principal):
+            await asyncio.wait(set(writes), timeout=max(0.0, deadline_at - asyncio.get_running_loop().time()))
+
+    async def perturb(request: GuardrailRequest, request_id: str, deadline_at: float) -> JSONResponse:
+        loop = asyncio.get_running_loop()
+        ids = _ids(request, request_id)
         texts = _texts(request, images)
         principal = _principal(request.request_data, charge_to, privacy)
         try:
@@ -300,9 +419,22 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-e
             raise _BlockedError(f"privlm: {error.detail.message}") from None
 
         async def perturb_texts(fresh: list[str]) -> PrivateTexts:
-            return await perturbing.privatize(fresh, principal=principal, epsilon=epsilon, caller=principal)
+            left = deadline_at - loop.time()
+            if left <= 0:  # checked before the charge: nothing was charged
+                raise overtaken({"charged": 0})
+            release = asyncio.ensure_future(perturbing.privatize(fresh, principal=principal, epsilon=epsilon,
+                                                                 caller=principal))
+            try:
+                await asyncio.wait({release}, timeout=left)
+            finally:
+                if not release.done():  # overtaken (or this request cancelled): never answered
+                    give_back_when_done(release, principal, ids)
+            if not release.done():
+                raise overtaken({"refund": "once its release is done: a `refunded` record follows"})
+            return release.result()
 
         remembering = _memory_principal(request.request_data, principal)
+        await written(remembering, deadline_at)
         try:
             recalled = await release_texts(memory, remembering, texts, perturb_texts,
                                            check=lambda fresh: privacy.check_lengths(fresh, param="texts"))
@@ -311,43 +443,49 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-e
         except ServiceError as error:  # too long, memory unreadable, PrivacyStepError: the messages name no text
             raise _BlockedError(f"privlm: {error.detail.message}") from None
         result = recalled.result
+        if loop.time() > deadline_at:  # charged, and too late to answer
+            raise await too_late(result, principal)
         changed = any(sent != text for sent, text in zip(result.texts, texts, strict=True))
         action: Action = "GUARDRAIL_INTERVENED" if changed else "NONE"
         if not await record("released", _released_record(result, request, request_id, principal, action)):
             # Blocked, so nothing of it leaves: the charge is given back, as the chat gateway does.
-            await asyncio.to_thread(privacy.refund, result, principal=principal)
-            raise _BlockedError("privlm: the audit log could not be written; nothing may be sent unrecorded")
+            kept = "" if await refund(result, principal) is not None else \
+                "; its charge stands (the ledger could not record the refund)"
+            raise _BlockedError(f"privlm: the audit log could not be written; nothing may be sent unrecorded{kept}")
+        if loop.time() > deadline_at:  # the audit write took the rest of the time: the answer would come too late
+            raise await too_late(result, principal)
         headers = privacy_headers(result, request_id)
         if memory is not None:
-            try:  # kept before LiteLLM sends (it may not): no refund ever follows here, so no repeat goes up free
-                if recalled.new:
-                    await asyncio.to_thread(memory.remember_releases, remembering, recalled.new)
-            except Exception as error:  # a later repeat is then released afresh, and charged
-                logger.warning("conversation memory could not keep a release (%s)", type(error).__name__)
+            if recalled.new:  # after the deadline's last check: a release given back is never kept
+                remember_after_answer(memory, remembering, recalled.new)
             headers["x-privlm-texts-remembered"] = str(sum(recalled.remembered))
         return _answer(GuardrailResponse(action=action, texts=list(result.texts)), headers)
 
-    async def guardrail(body: Annotated[dict[str, Any], Body(description=_BODY_DESCRIPTION)]) -> JSONResponse:
+    async def guardrail(http: Request) -> JSONResponse:
+        # The body is in: LiteLLM's own timeout has been running since it sent it.
+        deadline_at = asyncio.get_running_loop().time() + deadline
         request_id = f"privlm-{uuid.uuid4().hex[:16]}"
         ids: dict[str, Any] = {"request_id": request_id, "endpoint": "litellm.guardrail"}
         try:
-            request = _parsed(body)
+            request = _parsed(_json_object(await http.body()))
             ids = _ids(request, request_id)
             if request.input_type == "response":
                 await record("not_perturbed", {**_ids(request, request_id), "action": "NONE",
                                                "why": "a model's answer is not the user's prompt"})
                 return _answer(GuardrailResponse(action="NONE"), {"x-privlm-request-id": request_id})
-            return await perturb(request, request_id)
+            return await perturb(request, request_id, deadline_at)
         except _BlockedError as blocked:
-            reason, headers = blocked.reason, blocked.headers
+            reason, headers, audited = blocked.reason, blocked.headers, blocked.audited
         except Exception as error:  # fail closed: whatever went wrong, the original stays here
-            reason, headers = f"privlm: the privacy step failed ({type(error).__name__}); nothing may be sent", {}
-        await record("blocked", {**ids, "action": "BLOCKED", "blocked_reason": reason})
+            reason = f"privlm: the privacy step failed ({type(error).__name__}); nothing may be sent"
+            headers, audited = {}, {}
+        await record("blocked", {**ids, "action": "BLOCKED", "blocked_reason": reason, **audited})
         return _answer(GuardrailResponse(action="BLOCKED", blocked_reason=reason),
                        {**headers, "x-privlm-request-id": request_id})
 
     router.post(GUARDRAIL_PATH, response_model=GuardrailResponse, response_model_exclude_none=True,
                 summary="LiteLLM's Generic Guardrail API: perturb a request's texts with Cape",
+                openapi_extra=_BODY_DOCUMENT,
                 responses={200: {"description": "NONE, GUARDRAIL_INTERVENED with the perturbed texts, or BLOCKED "
                                                 "with the reason (every failure: fail closed)"}})(guardrail)
     return router
@@ -357,15 +495,19 @@ def create_guardrail_app(privacy: PromptPrivacy, *, api_keys: Sequence[str] = ()
                          charge_to: ChargeTo = "key-and-end-user", audit: AuditLog | None = None,
                          images: ImagePolicy = "block", max_request_bytes: int = MAX_REQUEST_BYTES,
                          guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT,
+                         guardrail_deadline: float = GUARDRAIL_DEADLINE,
                          memory: ConversationMemory | None = None, **service: Unpack[ServiceOptions]) -> FastAPI:
     """A service with only the guardrail endpoint (and ``/health``, ``/metrics``), behind ``api_keys``; at most
-    ``guardrail_max_in_flight`` guardrail requests in flight (queued for the device model), more are BLOCKED."""
+    ``guardrail_max_in_flight`` guardrail requests in flight (queued for the device model), more are BLOCKED; one not
+    done ``guardrail_deadline`` seconds after its body arrived is BLOCKED, uncharged."""
     auth = BearerKeys(api_keys)
-    router = guardrail_router(privacy, charge_to=charge_to, audit=audit, images=images, memory=memory)
+    router = guardrail_router(privacy, charge_to=charge_to, audit=audit, images=images, memory=memory,
+                              deadline=guardrail_deadline)
     return create_service_app(title="privlm LiteLLM guardrail (Cape)", routers=[router], auth=auth,
                               max_request_bytes=max_request_bytes, refusal_answers=REFUSAL_ANSWERS,
                               lanes=guardrail_lanes(guardrail_max_in_flight),
                               health=lambda: {"mechanism": privacy.mechanism, "epsilon": privacy.epsilon,
                                               "charge_to": charge_to, "images": images,
-                                              "guardrail_max_in_flight": guardrail_max_in_flight},
+                                              "guardrail_max_in_flight": guardrail_max_in_flight,
+                                              "guardrail_deadline": guardrail_deadline},
                               **service)

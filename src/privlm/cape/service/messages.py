@@ -18,11 +18,15 @@ keys, a non-finite number) is perturbed as text. JSON keys, numbers and booleans
 data out of them. A non-text part of a tool result is refused unless non-text parts pass, and so is a tool call
 that is not a function call with string arguments.
 
-Every key of a perturbed message and of its text parts is handled on purpose, never passed silently:
-``name`` (the participant's name, which can be a person's) is dropped before forwarding and reported
-(``message_names="drop"``, the default), perturbed as one more text (``"perturb"``), or refused (``"refuse"``);
-the keys of :data:`MESSAGE_KEYS` and :data:`TEXT_PART_KEYS` carry no user text and are forwarded; any other key
-is refused (400 ``unsupported_field``, naming it).
+Every key of a message, of any role, of its text parts and of an assistant's tool calls is handled on purpose,
+never passed silently (:func:`check_fields`, whether or not the message is perturbed): the keys of
+:data:`MESSAGE_KEYS`, :data:`TEXT_PART_KEYS` and :data:`TOOL_CALL_KEYS` are forwarded (identifiers, function names
+and provider settings, an assistant's refusal and reasoning as the upstream wrote them, or texts handled above); any
+other key is refused (400 ``unsupported_field``, naming it), and so is a prompt-cache marker (:data:`CACHE_MARKERS`)
+that is not its provider's documented form, an assistant's ``annotations`` that are not empty, or an identifier or
+upstream text that is not a string. A perturbed message's ``name`` (the participant's name, which can be a person's) is
+dropped before forwarding and reported (``message_names="drop"``, the default), perturbed as one more text
+(``"perturb"``), or refused (``"refuse"``); the ``name`` of any other message (a function's name) is forwarded.
 """
 
 from __future__ import annotations
@@ -34,9 +38,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
-
-from pydantic import BaseModel
+from typing import Any, Literal, NoReturn, get_args
 
 from privlm.service import ServiceError
 from privlm.service.chat import ChatCompletionRequest, ChatMessage, TextPart
@@ -45,18 +47,40 @@ NonTextParts = Literal["refuse", "pass"]
 MessageNames = Literal["drop", "perturb", "refuse"]
 MESSAGE_NAMES: tuple[MessageNames, ...] = get_args(MessageNames)
 SYSTEM_ROLES = frozenset({"system", "developer"})
-# Provider prompt-cache markers (OpenAI's prompt_cache_breakpoint, Anthropic's cache_control through LiteLLM):
-# settings, not text.
-CACHE_MARKERS = frozenset({"cache_control", "prompt_cache_breakpoint"})
-# The keys of a perturbed message forwarded as they are, besides ``content`` (perturbed) and ``name``. An
-# assistant's tool calls, refusal and audio id are the upstream's own output (docs/chat.md).
-MESSAGE_KEYS: dict[str, frozenset[str]] = {
-    "user": frozenset({"role"}) | CACHE_MARKERS,
-    "system": frozenset({"role"}) | CACHE_MARKERS,
-    "developer": frozenset({"role"}) | CACHE_MARKERS,
-    "assistant": frozenset({"role", "tool_calls", "function_call", "refusal", "audio"}) | CACHE_MARKERS,
+# Provider prompt-cache markers: settings, not text, so each must be null or exactly its provider's documented form
+# (its keys, and the values each may take; "ttl" may be left out), else it could carry any text across: Anthropic's
+# cache_control (through LiteLLM) and OpenAI's prompt_cache_breakpoint (openai-python's PromptCacheBreakpoint).
+CACHE_MARKERS: dict[str, dict[str, frozenset[str]]] = {
+    "cache_control": {"type": frozenset({"ephemeral"}), "ttl": frozenset({"5m", "1h"})},
+    "prompt_cache_breakpoint": {"mode": frozenset({"explicit"}), "ttl": frozenset({"30m", "12h"})},
 }
-TEXT_PART_KEYS = frozenset({"type", "text"}) | CACHE_MARKERS
+_OPTIONAL_MARKER_KEY = "ttl"
+# An assistant's texts other than its content that are the upstream's own output, forwarded as they are (a string
+# or null): its refusal, and the reasoning that vLLM (``reasoning_content``, ``reasoning``) and others return.
+# openai-python resends an answer with every field the upstream set, so a client may send any of them back.
+UPSTREAM_TEXTS = ("refusal", "reasoning_content", "reasoning")
+# OpenAI's answers carry ``annotations`` (url citations), ``[]`` when there are none: forwarded only when empty or
+# null, since a citation's title and url are text that nothing here handles.
+EMPTY_ONLY = "annotations"
+# The keys of a message forwarded as they are, besides ``content`` and ``name`` (both handled above). An
+# assistant's tool calls (:data:`TOOL_CALL_KEYS`), :data:`UPSTREAM_TEXTS` and audio id are the upstream's own
+# output; a tool message's ``tool_call_id`` is an identifier (docs/chat.md).
+MESSAGE_KEYS: dict[str, frozenset[str]] = {
+    "user": frozenset({"role", *CACHE_MARKERS}),
+    "system": frozenset({"role", *CACHE_MARKERS}),
+    "developer": frozenset({"role", *CACHE_MARKERS}),
+    "assistant": frozenset({"role", "tool_calls", "function_call", "audio", *UPSTREAM_TEXTS, EMPTY_ONLY,
+                            *CACHE_MARKERS}),
+    "tool": frozenset({"role", "tool_call_id", *CACHE_MARKERS}),
+    "function": frozenset({"role", *CACHE_MARKERS}),
+}
+TEXT_PART_KEYS = frozenset({"type", "text", *CACHE_MARKERS})
+# The keys of an assistant's tool call by its type, and of what it holds: a function's name and arguments, a custom
+# tool's name and input, and the legacy function_call's name and arguments (OpenAI's chat API defines no others).
+TOOL_CALL_KEYS: dict[str, frozenset[str]] = {"function": frozenset({"id", "type", "function"}),
+                                             "custom": frozenset({"id", "type", "custom"})}
+CALLED_KEYS: dict[str, frozenset[str]] = {"function": frozenset({"name", "arguments"}),
+                                          "custom": frozenset({"name", "input"})}
 _NOT_IN_A_NAME = re.compile(r"[\s<|\\/>]")  # what OpenAI refuses in a message name
 
 
@@ -123,8 +147,8 @@ def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = F
                      perturb_assistant: bool = False, non_text_parts: NonTextParts = "refuse",
                      message_names: MessageNames = "drop", perturb_tool_results: bool = False) -> PerturbedFields:
     """Every text to perturb, with its place, and every field to drop; a non-text part of a perturbed message
-    is refused unless passed, and so is any key of a perturbed message or text part that is not handled on
-    purpose.
+    is refused unless passed, and so is any field of the request's messages that is not handled on purpose
+    (:func:`check_fields`).
 
     ``perturb_assistant``: also assistant messages' text (their tool calls stay as they are). A gateway with
     response-side extraction needs it: the answers it returned were written from the original prompt, so
@@ -132,12 +156,12 @@ def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = F
     perturbed message's ``name`` (see the module doc). ``perturb_tool_results``: also tool results and tool-call
     arguments, JSON-aware (the module doc).
     """
+    check_fields(request)
     roles = perturbed_roles(perturb_system, perturb_assistant)
     fields = PerturbedFields([], [], [])
     for i, message in enumerate(request.messages):
         if message.role not in roles:
             continue
-        _check_keys(message, MESSAGE_KEYS[message.role] | {"content", "name"}, f"messages.{i}")
         _add_name(fields, i, message, message_names)
         if message.content is None:
             continue
@@ -146,7 +170,6 @@ def perturbed_fields(request: ChatCompletionRequest, *, perturb_system: bool = F
             continue
         for j, part in enumerate(message.content):
             if isinstance(part, TextPart):
-                _check_keys(part, TEXT_PART_KEYS, f"messages.{i}.content.{j}")
                 _add_text(fields, TextSlot(i, j, message.role), part.text)
             elif non_text_parts == "refuse":
                 raise ServiceError(400, f"messages.{i}.content.{j} is a {part.type!r} part, which cannot be "
@@ -263,14 +286,95 @@ def _add_name(fields: PerturbedFields, index: int, message: ChatMessage, message
         _add_text(fields, TextSlot(index, None, message.role, field="name"), message.name)
 
 
-def _check_keys(item: BaseModel, allowed: Iterable[str], path: str) -> None:
-    """Refuse (400, naming it) a key of a perturbed message or part that nothing handles: it would cross as sent."""
-    unknown = sorted(set(item.model_fields_set) - set(allowed))
+def check_fields(request: ChatCompletionRequest) -> None:
+    """Refuse (400, naming it) what would cross as sent without being handled on purpose, in a message of any role
+    whether perturbed or not: a key nothing handles (of the message, a text part, a tool call or what it calls), a
+    prompt-cache marker other than its provider's form, annotations that are not empty, or an identifier (an id, a
+    function's name) or an upstream text (:data:`UPSTREAM_TEXTS`) that is not a string."""
+    for i, message in enumerate(request.messages):
+        place = f"messages.{i}"
+        extra = message.model_extra or {}
+        _check_keys(message.model_fields_set, MESSAGE_KEYS[message.role] | {"content", "name"}, place)
+        _check_markers(extra, place)
+        _check_strings(extra, ("tool_call_id", *UPSTREAM_TEXTS), place)
+        if extra.get(EMPTY_ONLY) not in (None, []):
+            raise ServiceError(400, f"{place}.{EMPTY_ONLY} must be empty or null: an annotation (a citation's title "
+                                    "and url) would cross as sent; leave them out", param=f"{place}.{EMPTY_ONLY}",
+                               code="unsupported_field")
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if isinstance(part, TextPart):
+                _check_keys(part.model_fields_set, TEXT_PART_KEYS, f"{place}.content.{j}")
+                _check_markers(part.model_extra or {}, f"{place}.content.{j}")
+        _check_tool_calls(extra.get("tool_calls"), f"{place}.tool_calls")
+        _check_object(extra.get("function_call"), CALLED_KEYS["function"], f"{place}.function_call", ("name",))
+        _check_object(extra.get("audio"), frozenset({"id"}), f"{place}.audio", ("id",))
+
+
+def _check_tool_calls(calls: Any, place: str) -> None:
+    """An assistant's tool calls: null, or a list of function or custom calls with only their own keys."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        _refuse_shape(place, "a list of tool calls")
+    for k, call in enumerate(calls):
+        at = f"{place}.{k}"
+        if not isinstance(call, dict):
+            _refuse_shape(at, "a tool call (an object)")
+        _check_strings(call, ("id", "type"), at)
+        kind = call.get("type", "function")  # OpenAI's default
+        if kind not in TOOL_CALL_KEYS:
+            raise ServiceError(400, f"{at}.type must be one of {sorted(TOOL_CALL_KEYS)}", param=f"{at}.type",
+                               code="unsupported_field")
+        _check_keys(call, TOOL_CALL_KEYS[kind], at)
+        _check_object(call.get(kind), CALLED_KEYS[kind], f"{at}.{kind}", ("name",))
+
+
+def _check_object(value: Any, allowed: frozenset[str], place: str, identifiers: tuple[str, ...]) -> None:
+    """A nested field: null, or an object of the ``allowed`` keys whose ``identifiers`` are strings."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        _refuse_shape(place, "an object")
+    _check_keys(value, allowed, place)
+    _check_strings(value, identifiers, place)
+
+
+def _check_strings(holder: dict[str, Any], keys: Iterable[str], place: str) -> None:
+    """Each of ``keys`` in ``holder``, when not null, is a string: an object there could carry any key across."""
+    for key in keys:
+        value = holder.get(key)
+        if value is not None and not isinstance(value, str):
+            _refuse_shape(f"{place}.{key}", "a string")
+
+
+def _refuse_shape(param: str, shape: str) -> NoReturn:
+    raise ServiceError(400, f"{param} must be {shape}", param=param, code="invalid_request")
+
+
+def _check_markers(holder: dict[str, Any], place: str) -> None:
+    """Each prompt-cache marker in ``holder``: null or exactly its provider's form (:data:`CACHE_MARKERS`)."""
+    for marker, form in CACHE_MARKERS.items():
+        value = holder.get(marker)
+        if value is None or (isinstance(value, dict) and set(value) <= set(form)
+                             and all(key in value for key in form if key != _OPTIONAL_MARKER_KEY)
+                             and all(isinstance(setting, str) and setting in form[key]
+                                     for key, setting in value.items())):
+            continue
+        param = f"{place}.{marker}"
+        fixed = ", ".join(f'"{key}": "{setting}"' for key, settings in form.items() if key != _OPTIONAL_MARKER_KEY
+                          for setting in sorted(settings))
+        ttls = " or ".join(f'"{ttl}"' for ttl in sorted(form[_OPTIONAL_MARKER_KEY]))
+        raise ServiceError(400, f'{param} must be {{{fixed}}}, with an optional "{_OPTIONAL_MARKER_KEY}" of {ttls}: '
+                                "any other content would cross as sent", param=param, code="unsupported_field")
+
+
+def _check_keys(keys: Iterable[str], allowed: Iterable[str], path: str) -> None:
+    """Refuse (400, naming it) a key that nothing handles: it would cross as sent."""
+    unknown = sorted(set(keys) - set(allowed))
     if unknown:
         param = f"{path}.{unknown[0]}"
-        raise ServiceError(400, f"{param} is not a field this gateway handles in a perturbed message, and it "
-                                "would cross unperturbed; leave it out (docs/chat.md lists every field)",
-                           param=param, code="unsupported_field")
+        raise ServiceError(400, f"{param} is not a field this gateway handles, and it would cross as sent; leave it "
+                                "out (docs/chat.md lists every field)", param=param, code="unsupported_field")
 
 
 def with_texts(body: dict[str, Any], slots: Sequence[TextSlot], texts: Sequence[str],

@@ -13,7 +13,11 @@ Which replacements may be restored, so that the upstream's own words are left al
   - it does not also occur in the released texts as an unchanged word (counted, word-bounded): then the
     upstream could be quoting that one.
 A replacement is matched in the answer case-sensitively and at word boundaries (never inside a longer word), the
-longest first.
+longest first. The answer's word breaks are kept: a replacement that starts or ends with punctuation (" diabetes"
+released as "-related") can touch a word of the answer ("and-related"), and its original is then written back
+with a space on that side ("and diabetes", not "anddiabetes") if the original had one there (whitespace, or the
+text's edge; every time the replacement occurs). A sub-word is not split: "ological" of "immunological" released
+as ".com" restores "immun.com" to "immunological".
 
 Streams: a chunk is passed on at once except its tail that could still grow into a replacement; the rest follows
 with the next chunk, or at the end of the choice. Never more than the longest replacement's length is held: where
@@ -31,6 +35,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import NamedTuple
 
 from privlm.models.perturbation import PromptReport, TokenOutcome, TokenRecord
 from privlm.models.prompts import NonSensitiveTokens
@@ -50,6 +55,21 @@ class ReplacedSpan:
 
     def original_in(self, text: str) -> str:
         return text[self.start:self.end]
+
+    def replacement_in(self, text: str) -> Replacement:
+        """This span of ``text``, the original it was made from, as :meth:`Restorer.of` takes it."""
+        return Replacement(self.released, self.original_in(text),
+                           (self.start == 0 or text[self.start - 1].isspace(),
+                            self.end == len(text) or text[self.end].isspace()))
+
+
+class Replacement(NamedTuple):
+    """``original`` went up as ``released``; ``spaced``: whether the original had whitespace (or the text's edge)
+    before it and after it, where a restored word may be given a space (a plain pair: neither)."""
+
+    released: str
+    original: str
+    spaced: tuple[bool, bool] = (False, False)
 
 
 def replaced_spans(original: str, report: PromptReport | None) -> tuple[ReplacedSpan, ...]:
@@ -121,27 +141,33 @@ def _span(text: str, starts: list[int], group: list[TokenRecord]) -> ReplacedSpa
 
 class Restorer:
     """Restores answers for one request's replacements: ``forward`` released -> original, accepted as the module
-    doc says. Nothing of it is cached beyond the object: it holds original text."""
+    doc says; ``spaced`` released -> whether its original may be given a space before and after (none: neither).
+    Nothing of it is cached beyond the object: it holds original text."""
 
-    def __init__(self, forward: dict[str, str]) -> None:
+    def __init__(self, forward: dict[str, str], spaced: dict[str, tuple[bool, bool]] | None = None) -> None:
         self.forward = forward
+        self.spaced = spaced or {}
         self.forward_pattern = _pattern(forward)
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[str, str]], released_texts: Sequence[str]) -> Restorer:
-        """From ``(released, original)`` pairs (one per replaced span, repeats included) and every released text
-        of the request (to tell a replacement from a word the upstream also saw unchanged)."""
-        pairs = list(pairs)
+    def of(cls, pairs: Iterable[tuple[str, str] | Replacement], released_texts: Sequence[str]) -> Restorer:
+        """From ``(released, original)`` pairs or :class:`Replacement` triples (one per replaced span, repeats
+        included) and every released text of the request (to tell a replacement from a word the upstream also saw
+        unchanged)."""
+        replacements = [Replacement(*pair) for pair in pairs]
         originals: defaultdict[str, set[str]] = defaultdict(set)
-        replaced = Counter(released for released, _ in pairs)
-        for released, original in pairs:
+        spaced: dict[str, tuple[bool, bool]] = {}
+        replaced = Counter(replacement.released for replacement in replacements)
+        for released, original, (before, after) in replacements:
             originals[released].add(original)
+            was_before, was_after = spaced.get(released, (True, True))  # a space only where every one had it
+            spaced[released] = (was_before and before, was_after and after)
         forward = {}
         for released, found in originals.items():
             unchanged_too = _occurrences(released, released_texts) > replaced[released]
             if len(found) == 1 and _restorable(released) and not unchanged_too:
                 forward[released] = next(iter(found))
-        return cls(forward)
+        return cls(forward, {released: spaced[released] for released in forward})
 
     @property
     def longest(self) -> int:
@@ -150,7 +176,7 @@ class Restorer:
 
     def restore(self, text: str) -> tuple[str, int]:
         """``text`` with every replacement restored, and how many were."""
-        return _substitute(self.forward_pattern, self.forward, text)
+        return _substitute(self, text)
 
     def stream(self) -> StreamRestorer:
         return StreamRestorer(self)
@@ -177,16 +203,32 @@ def _pattern(mapping: dict[str, str]) -> re.Pattern[str] | None:
     return re.compile("|".join(map(bounded, keys))) if keys else None
 
 
-def _substitute(pattern: re.Pattern[str] | None, mapping: dict[str, str], text: str) -> tuple[str, int]:
-    if pattern is None:
+def _substitute(restorer: Restorer, text: str) -> tuple[str, int]:
+    if restorer.forward_pattern is None:
         return text, 0
-    return pattern.subn(lambda match: mapping[match.group()], text)
+    return restorer.forward_pattern.subn(lambda match: _written_back(match, restorer), text)
+
+
+def _written_back(match: re.Match[str], restorer: Restorer) -> str:
+    """The original of ``match``, with a space on each side where it would otherwise join a word of the answer
+    that only the replacement's punctuation parted it from, and the original had a space there too."""
+    original, text = restorer.forward[match.group()], match.string
+    space_before, space_after = restorer.spaced.get(match.group(), (False, False))
+    before, after = text[max(match.start() - 1, 0):match.start()], text[match.end():match.end() + 1]
+    return (" " if space_before and _joins(before, original) else "") + original + \
+        (" " if space_after and _joins(original, after) else "")
+
+
+def _joins(left: str, right: str) -> bool:
+    """Whether ``right`` written right after ``left`` would run two words together."""
+    return bool(left and right and _WORD.match(left[-1]) and _WORD.match(right[0]))
 
 
 class StreamRestorer:
     """One choice of a stream, restored as it comes: :meth:`feed` each delta, :meth:`flush` at the end."""
 
     def __init__(self, restorer: Restorer) -> None:
+        self.restorer = restorer
         self.mapping, self.pattern, self.longest = restorer.forward, restorer.forward_pattern, restorer.longest
         self.prefixes = {key[:n] for key in self.mapping for n in range(1, len(key) + 1)}
         self.pending, self.before = "", ""  # text held back; the last character passed on (for word boundaries)
@@ -224,11 +266,13 @@ class StreamRestorer:
         """The pending text up to ``cut``, restored (matches wholly before it; at the end, all of them)."""
         out, at, head = [], 0, self.pending[:cut]
         if self.pattern is not None:
+            # A match passed on never ends the pending text unless the answer ends there (feed holds a whole
+            # replacement back), so the character after it, which _written_back reads, is the whole answer's.
             for match in self.pattern.finditer(self.before + self.pending, len(self.before)):
                 start, end = match.start() - len(self.before), match.end() - len(self.before)
                 if end > cut:
                     break
-                out += [head[at:start], self.mapping[match.group()]]
+                out += [head[at:start], _written_back(match, self.restorer)]
                 at = end
                 self.restored += 1
         out.append(head[at:])
