@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +34,18 @@ KEY = "ray-gateway-key"
 EPSILON = 1.0
 REQUESTS = 32
 ROOT = Path(__file__).parents[2]
+
+
+def both_replicas_serving(url: str, wait: float = 120.0) -> None:
+    """Wait (free health checks) until both replicas have answered: the gateway is up once one replica is, and a
+    burst sent while the other still starts would all go to the first (on a loaded machine, it did)."""
+    from privlm.gateway.ray import REPLICA_HEADER
+
+    seen: set[str | None] = set()
+    deadline = time.monotonic() + wait
+    while len(seen - {None}) < 2 and time.monotonic() < deadline:
+        seen.add(httpx.get(f"{url}/health", timeout=TIMEOUT).headers.get(REPLICA_HEADER))
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -65,6 +78,7 @@ def test_two_replicas_share_one_budget(stub, tmp_path, postgres_url):
                           json={"model": "stub-model", "messages": [{"role": "user", "content": f"the cat sat w{i}"}]})
 
     try:
+        both_replicas_serving(f"http://127.0.0.1:{port}")
         with ThreadPoolExecutor(6) as pool:  # within the per-key in-flight share of one replica
             answers = list(pool.map(ask, range(REQUESTS)))
     finally:
