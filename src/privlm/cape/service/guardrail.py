@@ -322,51 +322,72 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-e
     if images not in ("block", "pass"):
         raise ValueError(f"images must be 'block' or 'pass', got {images!r}")
     deadline = check_positive_finite("guardrail_deadline", deadline)
+    route = _GuardrailRoute(privacy, charge_to=charge_to, audit=audit, images=images, memory=memory,
+                            perturbing=batcher or privacy.batched(), deadline=deadline)
     router = APIRouter(tags=["litellm"])
-    perturbing = batcher or privacy.batched()  # shared with the app's chat route, if any: one device model
-    # Work that outlives its request (an overtaken release given back, a memory write after the answer): held here
-    # until it finishes, since the loop keeps only weak references to tasks.
-    background: set[asyncio.Task[None]] = set()
-    writing: dict[str, set[asyncio.Task[None]]] = {}  # memory writes still running, by memory principal
+    router.post(GUARDRAIL_PATH, response_model=GuardrailResponse, response_model_exclude_none=True,
+                summary="LiteLLM's Generic Guardrail API: perturb a request's texts with Cape",
+                openapi_extra=_BODY_DOCUMENT,
+                responses={200: {"description": "NONE, GUARDRAIL_INTERVENED with the perturbed texts, or BLOCKED "
+                                                "with the reason (every failure: fail closed)"}})(route.guardrail)
+    return router
 
-    def in_background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+
+
+
+class _GuardrailRoute:
+    """The guardrail route's steps and the state its requests share (:func:`guardrail_router`)."""
+
+    def __init__(self, privacy: PromptPrivacy, *, charge_to: ChargeTo, audit: AuditLog | None,
+                 images: ImagePolicy, memory: ConversationMemory | None, perturbing: PrivacyBatcher,
+                 deadline: float) -> None:
+        self.privacy, self.charge_to, self.audit, self.images = privacy, charge_to, audit, images
+        self.memory, self.deadline = memory, deadline
+        self.perturbing = perturbing  # shared with the app's chat route, if any: one device model
+        # Work that outlives its request (an overtaken release given back, a memory write after the answer): held
+        # here until it finishes, since the loop keeps only weak references to tasks.
+        self.background: set[asyncio.Task[None]] = set()
+        self.writing: dict[str, set[asyncio.Task[None]]] = {}  # memory writes still running, by memory principal
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
-        background.add(task)
-        task.add_done_callback(background.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
         return task
 
-    async def record(event: str, entry: Mapping[str, Any]) -> bool:
+    async def record(self, event: str, entry: Mapping[str, Any]) -> bool:
         """Write to the audit log, if any; False if it could not be written."""
-        if audit is None:
+        if self.audit is None:
             return True
         try:
-            await asyncio.to_thread(audit.write, event, entry)
+            await asyncio.to_thread(self.audit.write, event, entry)
         except Exception:  # the caller decides: a release that cannot be recorded is blocked
             return False
         return True
 
-    async def refund(result: PrivateTexts, principal: str) -> float | None:
+    async def refund(self, result: PrivateTexts, principal: str) -> float | None:
         """Give back what a release that never left cost; None if the ledger could not (the charge stands)."""
         try:
-            await asyncio.to_thread(privacy.refund, result, principal=principal)
+            await asyncio.to_thread(self.privacy.refund, result, principal=principal)
         except Exception as error:
             logger.warning("a refund could not be recorded; the charge stands (%s)", type(error).__name__)
             return None
         return result.spent
 
-    def overtaken(audited: Mapping[str, Any], given_back: bool = True) -> _BlockedError:
+    def overtaken(self, audited: Mapping[str, Any], given_back: bool = True) -> _BlockedError:
         """BLOCKED for the deadline; ``given_back``: False when the ledger could not record the refund."""
         charge = "no charge stands" if given_back else "its charge stands (the ledger could not record the refund)"
-        return _BlockedError(f"privlm: the guardrail's deadline ({deadline:g} s) passed before the answer was ready "
-                             f"(queue wait included); nothing may be sent, and {charge}",
-                             audited={"guardrail_deadline_s": deadline, **audited})
+        return _BlockedError(f"privlm: the guardrail's deadline ({self.deadline:g} s) passed before the answer was "
+                             f"ready (queue wait included); nothing may be sent, and {charge}",
+                             audited={"guardrail_deadline_s": self.deadline, **audited})
 
-    async def too_late(result: PrivateTexts, principal: str) -> _BlockedError:
+    async def too_late(self, result: PrivateTexts, principal: str) -> _BlockedError:
         """A release charged in time but not answered by the deadline: it never leaves, so it is given back."""
-        refunded = await refund(result, principal)
-        return overtaken({"refunded": refunded}, given_back=refunded is not None)
+        refunded = await self.refund(result, principal)
+        return self.overtaken({"refunded": refunded}, given_back=refunded is not None)
 
-    def give_back_when_done(release: asyncio.Future[PrivateTexts], principal: str, ids: Mapping[str, Any]) -> None:
+    def give_back_when_done(self, release: asyncio.Future[PrivateTexts], principal: str,
+                            ids: Mapping[str, Any]) -> None:
         """A release the deadline overtook, never to be answered: a batch may have taken it (and charged it, or be
         about to), and cancelling it then would lose what it charged. So it is seen through, and given back."""
         async def give_back() -> None:
@@ -374,121 +395,115 @@ def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-e
                 result = await release
             except Exception:  # refused, or failed (whose charge stands, as on every path): nothing to give back
                 return
-            refunded = await refund(result, principal)
-            await record("refunded", {**ids, "principal": principal, "refunded": refunded,
+            refunded = await self.refund(result, principal)
+            await self.record("refunded", {**ids, "principal": principal, "refunded": refunded,
                                       "why": "the guardrail's deadline passed before this release was done; it "
                                              "was never answered"})
 
-        in_background(give_back())
+        self.in_background(give_back())
 
-    async def remember(kept: ConversationMemory, principal: str, new: Sequence[tuple[str, EarlierRelease]]) -> None:
+    async def remember(self, kept: ConversationMemory, principal: str,
+                       new: Sequence[tuple[str, EarlierRelease]]) -> None:
         try:
             await asyncio.to_thread(kept.remember_releases, principal, new)
         except Exception as error:  # a later repeat is then released afresh, and charged
             logger.warning("conversation memory could not keep a release (%s)", type(error).__name__)
 
-    def remember_after_answer(kept: ConversationMemory, principal: str,
+    def remember_after_answer(self, kept: ConversationMemory, principal: str,
                               new: Sequence[tuple[str, EarlierRelease]]) -> None:
         """Keep releases in the background, so that a slow write cannot hold the answer past the deadline; a later
         request of the same principal waits for the write (:func:`written`), so that it still finds them."""
-        writes = writing.setdefault(principal, set())
-        task = in_background(remember(kept, principal, new))
+        writes = self.writing.setdefault(principal, set())
+        task = self.in_background(self.remember(kept, principal, new))
         writes.add(task)
 
         def done(finished: asyncio.Task[None]) -> None:
             writes.discard(finished)
-            if not writes and writing.get(principal) is writes:
-                del writing[principal]
+            if not writes and self.writing.get(principal) is writes:
+                del self.writing[principal]
 
         task.add_done_callback(done)
 
-    async def written(principal: str, deadline_at: float) -> None:
+    async def written(self, principal: str, deadline_at: float) -> None:
         """The principal's memory writes still running, waited for until the deadline at most (a repeat sent before
         its release was kept would otherwise be released afresh, and charged)."""
-        if writes := writing.get(principal):
+        if writes := self.writing.get(principal):
             await asyncio.wait(set(writes), timeout=max(0.0, deadline_at - asyncio.get_running_loop().time()))
 
-    async def perturb(request: GuardrailRequest, request_id: str, deadline_at: float) -> JSONResponse:
+    async def perturb(self, request: GuardrailRequest, request_id: str, deadline_at: float) -> JSONResponse:
         loop = asyncio.get_running_loop()
         ids = _ids(request, request_id)
-        texts = _texts(request, images)
-        principal = _principal(request.request_data, charge_to, privacy)
+        texts = _texts(request, self.images)
+        principal = _principal(request.request_data, self.charge_to, self.privacy)
         try:
-            epsilon = _epsilon(request, privacy)
+            epsilon = _epsilon(request, self.privacy)
         except ServiceError as error:
             raise _BlockedError(f"privlm: {error.detail.message}") from None
 
         async def perturb_texts(fresh: list[str]) -> PrivateTexts:
             left = deadline_at - loop.time()
             if left <= 0:  # checked before the charge: nothing was charged
-                raise overtaken({"charged": 0})
-            release = asyncio.ensure_future(perturbing.privatize(fresh, principal=principal, epsilon=epsilon,
+                raise self.overtaken({"charged": 0})
+            release = asyncio.ensure_future(self.perturbing.privatize(fresh, principal=principal, epsilon=epsilon,
                                                                  caller=principal))
             try:
                 await asyncio.wait({release}, timeout=left)
             finally:
                 if not release.done():  # overtaken (or this request cancelled): never answered
-                    give_back_when_done(release, principal, ids)
+                    self.give_back_when_done(release, principal, ids)
             if not release.done():
-                raise overtaken({"refund": "once its release is done: a `refunded` record follows"})
+                raise self.overtaken({"refund": "once its release is done: a `refunded` record follows"})
             return release.result()
 
         remembering = _memory_principal(request.request_data, principal)
-        await written(remembering, deadline_at)
+        await self.written(remembering, deadline_at)
         try:
-            recalled = await release_texts(memory, remembering, texts, perturb_texts,
-                                           check=lambda fresh: privacy.check_lengths(fresh, param="texts"))
+            recalled = await release_texts(self.memory, remembering, texts, perturb_texts,
+                                           check=lambda fresh: self.privacy.check_lengths(fresh, param="texts"))
         except BudgetExhaustedError as error:
             raise _budget_reason(error) from None
         except ServiceError as error:  # too long, memory unreadable, PrivacyStepError: the messages name no text
             raise _BlockedError(f"privlm: {error.detail.message}") from None
         result = recalled.result
         if loop.time() > deadline_at:  # charged, and too late to answer
-            raise await too_late(result, principal)
+            raise await self.too_late(result, principal)
         changed = any(sent != text for sent, text in zip(result.texts, texts, strict=True))
         action: Action = "GUARDRAIL_INTERVENED" if changed else "NONE"
-        if not await record("released", _released_record(result, request, request_id, principal, action)):
+        if not await self.record("released", _released_record(result, request, request_id, principal, action)):
             # Blocked, so nothing of it leaves: the charge is given back, as the chat gateway does.
-            kept = "" if await refund(result, principal) is not None else \
+            kept = "" if await self.refund(result, principal) is not None else \
                 "; its charge stands (the ledger could not record the refund)"
             raise _BlockedError(f"privlm: the audit log could not be written; nothing may be sent unrecorded{kept}")
         if loop.time() > deadline_at:  # the audit write took the rest of the time: the answer would come too late
-            raise await too_late(result, principal)
+            raise await self.too_late(result, principal)
         headers = privacy_headers(result, request_id)
-        if memory is not None:
+        if self.memory is not None:
             if recalled.new:  # after the deadline's last check: a release given back is never kept
-                remember_after_answer(memory, remembering, recalled.new)
+                self.remember_after_answer(self.memory, remembering, recalled.new)
             headers["x-privlm-texts-remembered"] = str(sum(recalled.remembered))
         return _answer(GuardrailResponse(action=action, texts=list(result.texts)), headers)
 
-    async def guardrail(http: Request) -> JSONResponse:
+    async def guardrail(self, http: Request) -> JSONResponse:
         # The body is in: LiteLLM's own timeout has been running since it sent it.
-        deadline_at = asyncio.get_running_loop().time() + deadline
+        deadline_at = asyncio.get_running_loop().time() + self.deadline
         request_id = f"privlm-{uuid.uuid4().hex[:16]}"
         ids: dict[str, Any] = {"request_id": request_id, "endpoint": "litellm.guardrail"}
         try:
             request = _parsed(_json_object(await http.body()))
             ids = _ids(request, request_id)
             if request.input_type == "response":
-                await record("not_perturbed", {**_ids(request, request_id), "action": "NONE",
+                await self.record("not_perturbed", {**_ids(request, request_id), "action": "NONE",
                                                "why": "a model's answer is not the user's prompt"})
                 return _answer(GuardrailResponse(action="NONE"), {"x-privlm-request-id": request_id})
-            return await perturb(request, request_id, deadline_at)
+            return await self.perturb(request, request_id, deadline_at)
         except _BlockedError as blocked:
             reason, headers, audited = blocked.reason, blocked.headers, blocked.audited
         except Exception as error:  # fail closed: whatever went wrong, the original stays here
             reason = f"privlm: the privacy step failed ({type(error).__name__}); nothing may be sent"
             headers, audited = {}, {}
-        await record("blocked", {**ids, "action": "BLOCKED", "blocked_reason": reason, **audited})
+        await self.record("blocked", {**ids, "action": "BLOCKED", "blocked_reason": reason, **audited})
         return _answer(GuardrailResponse(action="BLOCKED", blocked_reason=reason),
                        {**headers, "x-privlm-request-id": request_id})
-
-    router.post(GUARDRAIL_PATH, response_model=GuardrailResponse, response_model_exclude_none=True,
-                summary="LiteLLM's Generic Guardrail API: perturb a request's texts with Cape",
-                openapi_extra=_BODY_DOCUMENT,
-                responses={200: {"description": "NONE, GUARDRAIL_INTERVENED with the perturbed texts, or BLOCKED "
-                                                "with the reason (every failure: fail closed)"}})(guardrail)
-    return router
 
 
 def create_guardrail_app(privacy: PromptPrivacy, *, api_keys: Sequence[str] = (),
