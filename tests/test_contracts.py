@@ -6,7 +6,7 @@ from pathlib import Path
 import privlm
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("snd", "cape", "sap")
+SYSTEMS = ("snd", "cape", "sap", "detect")
 
 
 def _contract(name_start: str) -> dict:
@@ -18,6 +18,8 @@ def test_every_core_module_of_a_system_is_held_to_no_http():
     package = Path(privlm.__file__).parent
     cores = {f"privlm.{system}.{path.stem}" for system in SYSTEMS for path in (package / system).glob("*.py")
              if path.stem != "__init__"}
+    cores |= {f"privlm.{system}.{path.parent.name}" for system in SYSTEMS  # core sub-packages (detect's layers)
+              for path in (package / system).glob("*/__init__.py") if path.parent.name != "service"}
     assert set(_contract("The systems' cores do no I/O")["source_modules"]) == cores
 
 

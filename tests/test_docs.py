@@ -44,7 +44,11 @@ def test_every_documented_command_parses(doc, command):
     args = shlex.split(command)[1:]
     node = typer.main.get_command(app)  # typer's click: a group has ``commands``
     name = "privlm"
-    while getattr(node, "commands", None) and args and args[0] in node.commands:
+    while getattr(node, "commands", None) and args:
+        if hasattr(node, "with_default_command"):  # a group with a default command (`privlm detect FILE`)
+            args = node.with_default_command(args)
+        if args[0] not in node.commands:
+            break
         name, node, args = args[0], node.commands[args[0]], args[1:]
     if getattr(node, "commands", None):
         # A group: only a placeholder such as `privlm bench NAME` may stand for its subcommands.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from privlm.detect import Detector
+from privlm.detect.patterns import PatternLayer
 from privlm.gateway import ChatSetup, create_privacy_gateway, mechanism_privacy
 from privlm.service.upstream import ChatUpstream
 from tests.service.fuzz import conforming, fuzz_openapi
@@ -22,10 +24,12 @@ KEY = "fuzz-key-0001"
 def test_the_gateway_openapi_never_answers_5xx(smollm2_lm, stub):
     privacy = mechanism_privacy("cape-distance", smollm2_lm, epsilon=EPS, logit_bound=None, max_prompt_tokens=16)
     setup = ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url), models=["stub-model"], guardrail=True)
-    with serving(create_privacy_gateway(chat=setup, api_keys=[KEY])) as url:
+    detector = Detector([PatternLayer()])  # the detect route too, on the layer that needs no model
+    with serving(create_privacy_gateway(chat=setup, api_keys=[KEY], detector=detector)) as url:
         seen = fuzz_openapi(url, headers={"authorization": f"Bearer {KEY}"}, max_examples=30)
     paths = {path for path, _ in seen}
-    assert paths >= {"/v1/chat/completions", "/v1/models", "/health", "/metrics", "/beta/litellm_basic_guardrail_api"}
+    assert paths >= {"/v1/chat/completions", "/v1/models", "/health", "/metrics", "/beta/litellm_basic_guardrail_api",
+                     "/v1/detect"}
     chat_codes = {code for path, code in seen if path == "/v1/chat/completions"}
     assert chat_codes and all(code < 500 for code in chat_codes), chat_codes
 

@@ -5,6 +5,8 @@
     OpenAI-compatible upstream (:mod:`privlm.cape.service.chat`);
   - ``POST /beta/litellm_basic_guardrail_api``: the same perturbation as a LiteLLM guardrail
     (:mod:`privlm.cape.service.guardrail`);
+  - ``POST /v1/detect``: the personal details the local detector finds, nothing sent or charged
+    (:mod:`privlm.detect.service`);
   - ``GET /v1/models``: the embedding model and the chat models, in one list.
 
 All behind one set of Bearer keys, one error model and one ``/health``. Each endpoint keeps its own budget
@@ -36,6 +38,7 @@ from privlm.cape.service.guardrail import (
 )
 from privlm.cape.service.memory import ConversationMemory
 from privlm.cape.service.privacy import PromptPrivacy
+from privlm.detect.service import DetectorSource, detect_router
 from privlm.models.language import LanguageModel
 from privlm.models.text_mechanisms import text_mechanism
 from privlm.service import BearerKeys, ModelEntry, ServiceOptions, catalog_router, create_service_app
@@ -74,9 +77,10 @@ class ChatSetup:
 
 
 def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: ChatSetup | None = None,
-                           api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
-                           **service: Unpack[ServiceOptions]) -> FastAPI:
-    """The gateway with the endpoints of every setup given (at least one)."""
+                           detector: DetectorSource | None = None, api_keys: Sequence[str] = (),
+                           max_request_bytes: int = MAX_REQUEST_BYTES, **service: Unpack[ServiceOptions]) -> FastAPI:
+    """The gateway with the endpoints of every setup given (at least one of embeddings and chat); with
+    ``detector`` (or its factory, called on first use), ``POST /v1/detect`` too."""
     if embeddings is None and chat is None:
         raise ValueError("the gateway needs embeddings (an SnD server) or chat (an upstream), or both")
     auth = BearerKeys(api_keys)
@@ -99,6 +103,8 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
         offered += [ModelEntry(id=name, owned_by="upstream") for name in chat.models]
         health["chat"] = {"mechanism": chat.privacy.mechanism, "epsilon": chat.privacy.epsilon,
                           "upstream": chat.upstream.base_url, "guardrail": chat.guardrail}
+    if detector is not None:
+        routers.append(detect_router(detector, auth=auth))
     return create_service_app(title="privlm gateway (OpenAI-compatible, private)",
                               routers=[*routers, catalog_router(offered)], auth=auth,
                               refusal_answers=REFUSAL_ANSWERS if chat is not None and chat.guardrail else None,

@@ -416,12 +416,16 @@ def build_setups(settings: GatewaySettings) -> GatewaySetups:
 
 
 def build(settings: GatewaySettings, setups: GatewaySetups | None = None) -> FastAPI:
-    """The gateway's app (``setups``: those :func:`build_setups` gave, else built now)."""
+    """The gateway's app (``setups``: those :func:`build_setups` gave, else built now); its detector is loaded on
+    the first ``/v1/detect`` request."""
+    from functools import partial
+
+    from privlm.detect import Detector
     from privlm.gateway.app import create_privacy_gateway
 
     setups = setups or build_setups(settings)
     return create_privacy_gateway(embeddings=setups.embeddings, chat=setups.chat, api_keys=setups.api_keys,
-                                  **settings.service())
+                                  detector=partial(Detector.default, device=settings.device), **settings.service())
 
 
 def _embeddings_setup(settings: EmbeddingsSettings, *, shared: str) -> tuple[EmbeddingsSetup, list[str]]:

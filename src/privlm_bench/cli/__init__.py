@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import typer
 
-from privlm_bench.cli import attacks, baselines, cape, chat, sap, snd  # noqa: F401 - registers the bench commands
+from privlm_bench.cli import attacks, baselines, cape, chat, detect, sap, snd  # noqa: F401 - registers the bench commands
 from privlm_bench.cli.app import bench_app
 from privlm_bench.cli.llm import serve_llm
 

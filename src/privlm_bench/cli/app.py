@@ -25,6 +25,7 @@ def registered_sweep(name: str) -> SweepEntry:
     from privlm_bench.baselines import registration as _baselines  # noqa: F401
     from privlm_bench.cape import registration as _cape  # noqa: F401
     from privlm_bench.chat import registration as _chat  # noqa: F401
+    from privlm_bench.detect import registration as _detect  # noqa: F401
     from privlm_bench.harness.registry import sweep_entry
     from privlm_bench.sap import registration as _sap  # noqa: F401
     from privlm_bench.snd import registration as _snd  # noqa: F401

@@ -1,0 +1,230 @@
+"""Sentence shapes for the tagger's synthetic training data (:mod:`privlm.detect.synthetic`).
+
+A template is one clause or sentence with slots ``{kind}`` or ``{kind:form}``; the generator joins one to four of
+them inside a frame (a chat message, an email, a form, a clinical note, a list). Each template has a stable id,
+and the generator deals templates to train, validation and test by that id, so that the test split holds shapes
+that training never saw.
+
+Slots: person (:full, :first, :last), organization, location (:city, :country), address, age, date (:year),
+amount (:salary), contact (:email, :phone, :url, :handle), identifier (:card, :iban, :ssn, :record), health,
+medication, occupation, religion, ethnicity, sexuality, union.
+"""
+
+from __future__ import annotations
+
+# First person: what users type about themselves.
+FIRST_PERSON: tuple[str, ...] = (
+    "I am {person}, {age}, from {location:city}.",
+    "My name is {person} and I live in {location:city}.",
+    "I'm {age} and I work as a {occupation} in {location:city}.",
+    "I was diagnosed with {health} last year.",
+    "I've had {health} since I was {age}.",
+    "My doctor put me on {medication} for my {health}.",
+    "I take {medication} every morning.",
+    "I earn {amount:salary} a year as a {occupation}.",
+    "I work at {organization} as a {occupation}.",
+    "you can reach me at {contact:email} or {contact:phone}",
+    "call me on {contact:phone} if it's urgent",
+    "My account number is {identifier:record} and my sort code is on file.",
+    "My card {identifier:card} was charged {amount} twice.",
+    "I was born on {date} in {location:city}.",
+    "I moved to {location:country} in {date:year}.",
+    "I live at {address}.",
+    "My new address is {address}, {location:city}.",
+    "As a {religion} I don't eat pork, any recipe ideas?",
+    "I'm {sexuality} and my parents don't know yet.",
+    "As a {ethnicity} woman in tech I often feel out of place.",
+    "I'm a member of {union} and we might strike next month.",
+    "I owe {amount} on my credit card and my rent is {amount}.",
+    "My IBAN is {identifier:iban}.",
+    "My social security number is {identifier:ssn}.",
+    "I've been feeling {health} for weeks and the {medication} isn't helping.",
+    "I'm a {age}-year-old {occupation} with {health}.",
+    "I turned {age} on {date}.",
+    "i have {health} and i'm scared",
+    "I follow {contact:handle} for updates.",
+    "My blog is at {contact:url} if you want to read it.",
+    "I'm {person}, a {occupation} at {organization}.",
+    "I've been {religion} all my life.",
+    "I went to {organization} until {date:year}.",
+    "My pension from {organization} is {amount} a month.",
+    "We bought a flat at {address} for {amount}.",
+    "My GP in {location:city} referred me for {health}.",
+    "Since starting {medication} I get headaches.",
+    "I'm {age}, {sexuality}, and new to {location:city}.",
+    "I'm {religion} and fasting this month; how do I manage my {medication}?",
+    "Being {ethnicity} in {location:city} isn't always easy.",
+    "I came out as {sexuality} to my manager at {organization}.",
+    "I joined {union} when I started at {organization}.",
+    "My family is {ethnicity} and {religion}.",
+    "As a {sexuality} {occupation}, I want to know my rights.",
+)
+
+# Third person: family, colleagues, patients.
+THIRD_PERSON: tuple[str, ...] = (
+    "My mother {person:first} is {age} and has {health}.",
+    "My son {person:first} was diagnosed with {health} on {date}.",
+    "My colleague {person} keeps commenting on my {health}.",
+    "{person} from {organization} called about my claim {identifier:record}.",
+    "My husband {person:first} takes {medication} twice a day.",
+    "My daughter {person:first} ({age}) wants to study in {location:city}.",
+    "Our neighbour {person} is {ethnicity} and {religion}.",
+    "My manager {person} earns {amount:salary} and I earn half that.",
+    "Dr. {person:last} said my father's {health} is getting worse.",
+    "{person:first} is a {occupation} at {organization} in {location:city}.",
+    "My brother {person:first} lives at {address}.",
+    "My grandmother, {person}, was born in {date:year} in {location:country}.",
+    "Please send the invoice to {person} at {contact:email}.",
+    "Ask {person:first} to call {contact:phone}.",
+    "Mr. {person:last} was admitted with {health}.",
+    "Mrs {person:last} has been on {medication} since {date}.",
+    "{person:first}, {age}, {occupation}, {location:city}.",
+    "My wife {person:first} is {sexuality} and out at work.",
+    "{person} is the shop steward for {union}.",
+    "The patient, {person}, {age}, presented with {health}.",
+    "my friend {person:first} lost {amount} in a scam",
+    "{person:first} and {person:first} are moving to {location:country}.",
+    "My partner {person:first} works for {organization}.",
+    "{person:first} is {religion} and won't work on Saturdays.",
+    "My son {person:first} told us he is {sexuality}.",
+    "{person} is a rep for {union} at {organization}.",
+    "My neighbours are {ethnicity} and very kind.",
+    "My aunt in {location:city} was just told she has {health}.",
+    "Our son {person:first} turns {age} on {date}.",
+    "{person:last} paid {amount} from account {identifier:iban}.",
+)
+
+# Requests around the details: what a user asks the assistant to do.
+REQUESTS: tuple[str, ...] = (
+    "Can you write an email to {person} at {organization} asking for two weeks off from {date}?",
+    "Draft a cover letter for {person}, {age}, a {occupation} applying for a job in {location:city}.",
+    "Write a reference letter for {person}, who worked as a {occupation} at {organization} until {date}.",
+    "Help me reply to {person:first}'s message about the {amount} I owe.",
+    "Summarise this for my husband {person:first}: my test on {date} shows early {health}.",
+    "Please make this sound professional: 'Hi {person:first}, I'm off sick with {health} till {date}.'",
+    "How do I get my notes about my {health} sent to a new GP in {location:city}?",
+    "Is {amount:salary} fair for a {occupation} in {location:city}?",
+    "What should I ask my doctor about {medication} and {health}?",
+    "Translate this letter to {person} in {location:country}.",
+    "Write a complaint to {organization} about the charge of {amount} on {date}.",
+    "Can {medication} be taken with {medication}?",
+    "Remind me to call {person:first} on {contact:phone} about the {health} results.",
+    "Fill in the form for {person}, born {date}, passport {identifier:record}.",
+    "Write a birthday message for {person:first}, who turns {age} on {date}.",
+    "My landlord {person} in {location:city} wants {amount} more rent; what are my rights?",
+    "Explain what {health} means for a {age} year old.",
+    "Is it safe to fly to {location:country} with {health}?",
+    "Write to {union} asking for help with my dismissal from {organization}.",
+    "Is it legal to ask if I'm {religion} at an interview?",
+    "Write a short speech for my {ethnicity} grandmother's 80th.",
+    "Help me explain to my {religion} parents that I'm {sexuality}.",
+    "Draft a letter from {union} about the pay offer at {organization}.",
+)
+
+# Form lines and clinical shorthand.
+FIELDS: tuple[str, ...] = (
+    "Name: {person}",
+    "Full name: {person}",
+    "DOB: {date}",
+    "Date of birth: {date}",
+    "Age: {age}",
+    "Address: {address}",
+    "City: {location:city}",
+    "Country: {location:country}",
+    "Email: {contact:email}",
+    "Phone: {contact:phone}",
+    "Mobile: {contact:phone}",
+    "Website: {contact:url}",
+    "Employer: {organization}",
+    "Occupation: {occupation}",
+    "Job title: {occupation}",
+    "Salary: {amount:salary}",
+    "Account: {identifier:record}",
+    "IBAN: {identifier:iban}",
+    "Card: {identifier:card}",
+    "SSN: {identifier:ssn}",
+    "MRN {identifier:record}",
+    "Policy number: {identifier:record}",
+    "Diagnosis: {health}",
+    "Medication: {medication}",
+    "Religion: {religion}",
+    "Ethnicity: {ethnicity}",
+    "Union: {union}",
+    "pt {age}M, hx {health}, on {medication}",
+    "pt {age}F c/o {health}; started {medication} {date}",
+    "Dx: {health}. Rx: {medication}.",
+    "Referred by Dr {person:last}, {organization}.",
+    "Next of kin: {person}, {contact:phone}",
+    "Emergency contact: {person:first} {contact:phone}",
+    "Handle: {contact:handle}",
+)
+
+# Sign-offs and greetings that carry details.
+SIGNATURES: tuple[str, ...] = (
+    "Best, {person}",
+    "Thanks, {person:first}",
+    "Kind regards,\n{person}\n{occupation}, {organization}\n{contact:phone}",
+    "Cheers, {person:first} ({contact:email})",
+    "Hi {person:first},",
+    "Dear {person},",
+    "Dear Dr {person:last},",
+    "{person} | {occupation} | {contact:url}",
+)
+
+# Lines with no personal detail that look like one to a naive tagger: numbers, doses, codes, capitalised words,
+# abbreviations. They teach the tagger what to leave alone, in every frame.
+NEUTRAL: tuple[str, ...] = (
+    "Take 500mg twice daily with food.",
+    "BP 132/84, HR 78, SpO2 97% on RA.",
+    "ECG: sinus rhythm, no acute changes.",
+    "Allergies: NKDA",
+    "Plan: review in 2/52, bloods next week.",
+    "Obs stable overnight.",
+    "Dose: 5 mg OD, max 20 mg per day.",
+    "HbA1c 58 mmol/mol, eGFR > 90.",
+    "Meeting moved to 10:30 in Room 4B.",
+    "Step 3: restart the router and wait 2 minutes.",
+    "Version 3.11.7 fixed the bug.",
+    "Page 12 of the Terms and Conditions.",
+    "Order 2 boxes of A4 paper.",
+    "The Wi-Fi password is on the fridge.",
+    "Top 10 tips for a better CV.",
+    "Re: Your Request",
+    "Subject: Follow-up",
+    "Sent from my iPhone",
+    "Please find attached the PDF.",
+    "Monday works better for me than Friday.",
+    "It costs nothing to ask.",
+    "The Board meets every quarter.",
+    "Dear Sir or Madam,",
+    "To whom it may concern,",
+    "Yours faithfully,",
+    "Reference: see below.",
+    "Ward round at 9am.",
+    "PS: no rush on this.",
+    "Best wishes to the whole Team.",
+    "I read it on Reddit.",
+    "It was on the BBC News last night.",
+    "Is Python or Excel better for this?",
+    "Chapter 4 covers the basics.",
+    "Room temperature is fine.",
+    "Thanks!!",
+    "lol ok",
+    "FYI, the form is on page 2.",
+    "Q3 results are due in October.",
+    "Use 2 tbsp of olive oil and 1 tsp of salt.",
+    "Walk 30 minutes a day, 5 days a week.",
+)
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "first": FIRST_PERSON, "third": THIRD_PERSON, "request": REQUESTS, "field": FIELDS, "signature": SIGNATURES,
+    "neutral": NEUTRAL,
+}
+
+
+def template_ids() -> dict[str, str]:
+    """Every template by its stable id, ``<group>-<index>`` (the index of its place in the group)."""
+    return {f"{group}-{i:03d}": text for group, texts in GROUPS.items() for i, text in enumerate(texts)}
+
+
+__all__ = ["GROUPS", "template_ids"]
