@@ -70,37 +70,38 @@ class TaggerHead(nn.Module):
 
 @dataclass(frozen=True)
 class Window:
-    """Tokens ``[start, stop)`` of text ``text``; of them, ``[keep_from, keep_to)`` are read from this window."""
+    """Tokens ``[start, stop)`` of the batch's text number ``text_index``; of them, ``[keep_from, keep_to)`` are read
+    from this window."""
 
-    text: int
+    text_index: int
     start: int
     stop: int
     keep_from: int
     keep_to: int
 
 
-def windows(n_tokens: int, size: int, overlap: int, text: int = 0) -> list[Window]:
+def windows(n_tokens: int, size: int, overlap: int, text_index: int = 0) -> list[Window]:
     """Cover ``n_tokens`` with windows of ``size`` overlapping by ``overlap``; each token kept in exactly one, the
     one in which it lies furthest from a cut edge."""
     if size <= overlap or overlap % 2:
         raise ValueError(f"need an even overlap smaller than the window, got {size=} {overlap=}")
     if n_tokens <= size:
-        return [Window(text, 0, n_tokens, 0, n_tokens)]
+        return [Window(text_index, 0, n_tokens, 0, n_tokens)]
     stride, half = size - overlap, overlap // 2
     starts = [*range(0, n_tokens - size, stride), n_tokens - size]
     result: list[Window] = []
     for i, start in enumerate(starts):
         keep_from = 0 if i == 0 else max(start + half, result[-1].keep_to)
         keep_to = n_tokens if i == len(starts) - 1 else start + size - half
-        result.append(Window(text, start, start + size, keep_from, keep_to))
+        result.append(Window(text_index, start, start + size, keep_from, keep_to))
     return result
 
 
-def _batches(spans: list[Window], most: int, tokens: int) -> list[list[Window]]:
-    """``spans`` (sorted by length) in batches of at most ``most`` windows and ``tokens`` padded tokens: a batch
+def _batches(cuts: list[Window], most: int, tokens: int) -> list[list[Window]]:
+    """``cuts`` (sorted by length) in batches of at most ``most`` windows and ``tokens`` padded tokens: a batch
     pads every window to its longest, and on a CPU the padding costs as much as the text."""
     batches: list[list[Window]] = []
-    for window in spans:
+    for window in cuts:
         width = window.stop - window.start + 2
         if batches and len(batches[-1]) < most and width * (len(batches[-1]) + 1) <= tokens:
             batches[-1].append(window)
@@ -124,15 +125,15 @@ class TokenFeatures:
         """For each text: its tokens' character offsets (n, 2) and their features (n, dim), on the CPU."""
         encoded = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         size = self.config.window - 2  # room for [CLS] and [SEP]
-        spans = [w for i, ids in enumerate(encoded["input_ids"])
-                 for w in windows(len(ids), size, self.config.overlap, i)]
+        cuts = [w for i, ids in enumerate(encoded["input_ids"])
+                for w in windows(len(ids), size, self.config.overlap, i)]
         features = [torch.zeros(len(ids), self.dim) for ids in encoded["input_ids"]]
-        spans.sort(key=lambda w: w.stop - w.start)
-        for batch in _batches(spans, batch_size, self.config.batch_tokens):
-            hidden = self._encode([encoded["input_ids"][w.text][w.start:w.stop] for w in batch])
+        cuts.sort(key=lambda w: w.stop - w.start)
+        for batch in _batches(cuts, batch_size, self.config.batch_tokens):
+            hidden = self._encode([encoded["input_ids"][w.text_index][w.start:w.stop] for w in batch])
             for row, w in enumerate(batch):
                 keep = slice(w.keep_from - w.start + 1, w.keep_to - w.start + 1)  # +1: after [CLS]
-                features[w.text][w.keep_from:w.keep_to] = hidden[row, keep]
+                features[w.text_index][w.keep_from:w.keep_to] = hidden[row, keep]
         return [(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), feats)
                 for offsets, feats in zip(encoded["offset_mapping"], features, strict=True)]
 
