@@ -13,7 +13,13 @@ import pytest
 
 from privlm.detect import Detector, Kind, Span
 from privlm.detect.backends import (
-    GLINER_LABELS, PRESIDIO_KINDS, SPACY_KINDS, BackendUnavailableError, GlinerLayer, PresidioLayer, SpacyLayer,
+    GLINER_LABELS,
+    PRESIDIO_KINDS,
+    SPACY_KINDS,
+    BackendUnavailableError,
+    GlinerLayer,
+    PresidioLayer,
+    SpacyLayer,
     load_backends,
 )
 from privlm.plugins import detect_backends

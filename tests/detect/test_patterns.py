@@ -285,9 +285,14 @@ FORMS = [  # (text, the substring that must be a span of kind)
     ("savings of 12,000", "12,000", Kind.AMOUNT),
     ("a debt of 20k", "20k", Kind.AMOUNT),
     # address
-    ("at 221B Baker Street, London", "221B Baker Street", Kind.ADDRESS),
+    ("at 221B Baker Street, London", "221B Baker Street, London", Kind.ADDRESS),  # the town on its line joins
+    ("Address: Unit 4/27 Kent St, Newtown NSW 2042\nMobile", "Unit 4/27 Kent St, Newtown NSW 2042", Kind.ADDRESS),
+    ("House No. 14, Kofi Annan Street, Airport Residential Area, Accra", "House No. 14, Kofi Annan Street, Airport "
+     "Residential Area, Accra", Kind.ADDRESS),
+    ("Flat 11, Cedar Court\nFerry Road", "Flat 11, Cedar Court", Kind.ADDRESS),  # never across a line break
+    ("at 12 High Street, Leeds and I like it", "12 High Street", Kind.ADDRESS),  # no stop after the town: no tail
     ("the 1600 Pennsylvania Ave NW office", "1600 Pennsylvania Ave NW", Kind.ADDRESS),
-    ("Flat 3, 12 High St, Leeds", "Flat 3, 12 High St", Kind.ADDRESS),
+    ("Flat 3, 12 High St, Leeds", "Flat 3, 12 High St, Leeds", Kind.ADDRESS),
     ("lives at 12 high street now", "12 high street", Kind.ADDRESS),
     ("Hauptstraße 5, Berlin", "Hauptstraße 5", Kind.ADDRESS),
     ("in der Berliner Straße 12a wohnen", "Berliner Straße 12a", Kind.ADDRESS),

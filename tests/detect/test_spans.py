@@ -70,3 +70,26 @@ def test_the_detector_is_the_union_of_its_layers_per_text() -> None:
         [("Ana", Kind.PERSON)], [("nothing", Kind.HEALTH)]]
     with pytest.raises(ValueError, match="at least one layer"):
         Detector([])
+
+
+def test_hyphenated_words_are_one_word_but_not_by_a_digit() -> None:
+    text = "a long-haul driver, 34-year-old, 2015-2019"
+    assert text[slice(*widen_to_words(text, 7, 11))] == "long-haul"  # from "haul"
+    assert text[slice(*widen_to_words(text, 6, 11))] == "long-haul"  # from "-haul"
+    assert text[slice(*widen_to_words(text, 20, 22))] == "34"
+    assert text[slice(*widen_to_words(text, 33, 37))] == "2015"
+
+
+def test_phrase_kinds_join_across_one_or_two_short_words_and_names_do_not() -> None:
+    text = "Department for Work and Pensions; numbness in my left foot; Maria and Juan; Leeds and York"
+    at = {word: (text.index(word), text.index(word) + len(word)) for word in (
+        "Department", "Work", "Pensions", "numbness", "left foot", "Maria", "Juan", "Leeds", "York")}
+    kinds = {"Department": Kind.ORGANIZATION, "Work": Kind.ORGANIZATION, "Pensions": Kind.ORGANIZATION,
+             "numbness": Kind.HEALTH, "left foot": Kind.HEALTH, "Maria": Kind.PERSON, "Juan": Kind.PERSON,
+             "Leeds": Kind.LOCATION, "York": Kind.LOCATION}
+    spans = merge_spans(text, [Span(*at[w], kinds[w], 0.9, "test") for w in at])
+    assert [text[s.start:s.end] for s in spans] == [
+        "Department for Work and Pensions", "numbness in my left foot", "Maria", "Juan", "Leeds", "York"]
+    far = "knee pain and then much later some back pain"  # more than two words, or a longer one, apart: two details
+    back = far.index("back")
+    assert len(merge_spans(far, [Span(0, 9, Kind.HEALTH, 0.9, "t"), Span(back, len(far), Kind.HEALTH, 0.9, "t")])) == 2

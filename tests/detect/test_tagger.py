@@ -63,14 +63,29 @@ def test_decode_joins_runs_of_one_kind_at_their_thresholds() -> None:
     text = "Maria Gonzalez has asthma"
     offsets = np.array([[0, 5], [6, 14], [15, 18], [19, 25]])
     probs = _probs([("person", 0.9), ("person", 0.6), ("health", 0.3), ("health", 0.45)])
-    spans = decode(text, offsets, probs, {Kind.PERSON: 0.5, Kind.HEALTH: 0.4})
+    spans = decode(text, offsets, probs, {Kind.PERSON: 0.5, Kind.HEALTH: 0.4}, extend=1.0)  # no growth
     assert [(text[s.start:s.end], s.kind, s.score) for s in spans] == [
         ("Maria Gonzalez", Kind.PERSON, 0.9), ("asthma", Kind.HEALTH, 0.45)]
-    assert decode(text, offsets, probs, {Kind.PERSON: 0.95, Kind.HEALTH: 0.5}) == []
+    assert decode(text, offsets, probs, {Kind.PERSON: 0.95, Kind.HEALTH: 0.5}) == []  # no seed, nothing grows
     # a line break ends a run: "Maria" and "Gonzalez" on two lines are two spans
     broken = "Maria\nGonzalez has asthma"
     assert [broken[s.start:s.end] for s in decode(broken, offsets, probs, {Kind.PERSON: 0.5})] == [
         "Maria", "Gonzalez"]
+
+
+def test_a_run_grows_into_neighbours_whose_probability_of_its_kind_reaches_the_growth_floor() -> None:
+    text = "Capital One Bank said no\nOne"
+    offsets = np.array([[0, 7], [8, 11], [12, 16], [17, 21], [22, 24], [25, 28], [0, 0]])
+    probs = _probs([("organization", 0.6), ("organization", 0.06), ("organization", 0.05), ("organization", 0.049),
+                    ("health", 0.9), ("organization", 0.3), ("organization", 0.9)])
+    # seeds at 0.5; growth floor 0.1 x 0.5 = 0.05: "One" and "Bank" join, "said" (0.049) does not, "no" is another
+    # kind's seed, the "One" after the line break (0.3) is no seed and joins nothing, and the empty special token
+    # (0.9) is nobody's
+    spans = decode(text, offsets, probs, {Kind.ORGANIZATION: 0.5, Kind.HEALTH: 0.5}, extend=0.1)
+    assert [(text[s.start:s.end], s.kind, s.score) for s in spans] == [
+        ("Capital One Bank", Kind.ORGANIZATION, 0.6), ("no", Kind.HEALTH, 0.9)]
+    assert [text[s.start:s.end] for s in decode(text, offsets, probs, {Kind.ORGANIZATION: 0.5}, extend=1.0)] == [
+        "Capital", "no"]
 
 
 def test_token_labels_mark_every_token_a_span_touches() -> None:

@@ -11,6 +11,7 @@ merged span's kind is the one that covers the most of it, weighted by score (:fu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -78,12 +79,22 @@ def _is_word_char(char: str) -> bool:
     return char.isalnum() or char == "_"
 
 
+def _in_word(text: str, i: int) -> bool:
+    """Whether ``text[i]`` belongs to a word: a word character, or a hyphen between two letters ("long-haul",
+    "Okafor-Lind"). Not a hyphen by a digit ("34-year-old": the age is "34"; "2015-2019": two years), nor an
+    apostrophe ("Maria's": a name and a possessive)."""
+    if _is_word_char(text[i]):
+        return True
+    return text[i] == "-" and 0 < i < len(text) - 1 and text[i - 1].isalpha() and text[i + 1].isalpha()
+
+
 def widen_to_words(text: str, start: int, end: int) -> tuple[int, int]:
-    """``[start, end)`` grown so that it neither starts nor ends inside a word, then trimmed of surrounding space and
-    of trailing clause punctuation (",;:!?"; a final "." may end an abbreviation, so it stays)."""
-    while start > 0 and _is_word_char(text[start - 1]) and _is_word_char(text[start]):
+    """``[start, end)`` grown so that it neither starts nor ends inside a word (hyphenated words are one), then
+    trimmed of surrounding space and of trailing clause punctuation (",;:!?"; a final "." may end an abbreviation,
+    so it stays)."""
+    while start > 0 and _in_word(text, start - 1) and _in_word(text, start):
         start -= 1
-    while end < len(text) and _is_word_char(text[end - 1]) and _is_word_char(text[end]):
+    while end < len(text) and _in_word(text, end - 1) and _in_word(text, end):
         end += 1
     while start < end and text[start].isspace():
         start += 1
@@ -117,12 +128,22 @@ def merge_spans(text: str, spans: Iterable[Span], thresholds: Mapping[Kind, floa
     return _join_words(text, merged)
 
 
+# Kinds whose details are phrases with short words inside ("Department for Work and Pensions", "pain in my chest",
+# "head of sales"): same-kind neighbours one or two such words apart are one detail. Names, places and the rest
+# are not joined across words ("Maria and Juan" are two people).
+PHRASE_KINDS = frozenset({Kind.ORGANIZATION, Kind.HEALTH, Kind.OCCUPATION, Kind.ADDRESS})
+_PHRASE_GAP = re.compile(r"[ \t]+(?:[a-z]{1,4}[ \t]+){1,2}")
+
+
 def _join_words(text: str, spans: list[Span]) -> list[Span]:
-    # "Maria" and "Gonzalez" found apart are one name: same-kind neighbours with only spaces between become one.
+    # "Maria" and "Gonzalez" found apart are one name: same-kind neighbours with only spaces between become one
+    # (or, for PHRASE_KINDS, one or two short lower-case words).
     joined: list[Span] = []
     for span in spans:
         last = joined[-1] if joined else None
-        if last is not None and last.kind == span.kind and text[last.end:span.start].strip(" \t") == "":
+        gap = text[last.end:span.start] if last is not None else ""
+        if last is not None and last.kind == span.kind and (
+                gap.strip(" \t") == "" or (span.kind in PHRASE_KINDS and _PHRASE_GAP.fullmatch(gap))):
             sources = "+".join(sorted(set(last.source.split("+")) | set(span.source.split("+"))))
             joined[-1] = Span(last.start, span.end, span.kind, max(last.score, span.score), sources)
         else:

@@ -116,6 +116,35 @@ def _person(d: ValueDrawer) -> str:
     return f"{fake.first_name()} {fake.last_name()}"
 
 
+# Words that brands, banks, insurers and public bodies are made of ("Capital One", "Irish Life", "Direct Line").
+BRAND_WORDS = (
+    "Capital", "Direct", "Irish", "Royal", "National", "First", "United", "Green", "Blue", "Star", "Bright", "Open",
+    "Prime", "Summit", "Harbour", "Oak", "Cedar", "Meadow", "Pioneer", "Liberty", "Heritage", "Crown", "Lion",
+    "Phoenix", "Eagle", "Atlas", "Horizon", "Anchor", "Beacon", "Coastal", "Northern", "Southern", "Western",
+    "Eastern", "Central", "Metro", "Community", "Family", "Life", "Line", "Mutual", "Trust", "Care", "Home",
+    "Shield", "Vista", "Nova", "Apex", "Pulse", "Echo", "Swift", "Smart", "Simple", "True", "Clear", "Fresh",
+    "Golden", "Silver", "Red", "Kind", "Wise", "Lucky", "Sunny", "River", "Bay", "Hill", "Valley", "Forest",
+    "Stone", "Bridge", "Castle", "Tower", "Gate", "Park", "Market", "Corner", "Village", "Pacific", "Atlantic",
+    "Alpine", "Urban", "Global", "Secure", "Active", "Vital", "Pure", "Core", "Orchard", "Willow", "Maple", "Pine",
+    "Harvest", "Compass", "Keystone", "Sterling", "Monarch", "Sovereign", "Legal", "General", "Standard", "Union",
+)
+BRAND_ENDINGS = ("Bank", "Energy", "Insurance", "Mobile", "Health", "Homes", "Lettings", "Motors", "Foods",
+                 "Pharmacy", "Building Society", "Housing", "Care", "Academy", "College", "Clinic", "Dental",
+                 "Logistics", "Telecom", "Broadband", "Water", "Money", "Pay", "Finance", "Airlines", "Rail")
+APP_ENDINGS = ("ly", "ify", "io", "zo", "go", "hub", "ster", "wise", "flow", "nest")
+HEALTH_QUALIFIERS = ("severe {}", "mild {}", "chronic {}", "acute {}", "suspected {}", "recurrent {}", "early {}",
+                     "stage 2 {}", "bad {}", "really bad {}", "{} flare-ups", "{} symptoms", "bilateral {}",
+                     "left-sided {}", "a bit of {}", "post-op {}", "probable {}", "worsening {}")
+
+
+def _one_of(d: ValueDrawer, words: Sequence[str]) -> str:
+    return words[int(d.rng.integers(len(words)))]
+
+
+def _brand(d: ValueDrawer) -> str:
+    return _one_of(d, BRAND_WORDS)
+
+
 def _organization(d: ValueDrawer) -> str:
     fake = d._faker()
     shapes = (lambda: fake.company(), lambda: f"{d._pick(Kind.LOCATION)} General Hospital",
@@ -126,8 +155,25 @@ def _organization(d: ValueDrawer) -> str:
               lambda: f"{d._pick(Kind.LOCATION)} {d._pick(Kind.HEALTH).title()} Service",
               lambda: f"Department of {fake.last_name()} Affairs", lambda: f"{fake.last_name()} Insurance",
               lambda: f"{d._pick(Kind.LOCATION)} Credit Union", lambda: f"{fake.last_name()} Primary School",
-              lambda: f"{fake.last_name()} {fake.last_name()} Solicitors", lambda: f"{fake.company()} Group")
+              lambda: f"{fake.last_name()} {fake.last_name()} Solicitors", lambda: f"{fake.company()} Group",
+              # brands, banks, apps and public bodies as users name them
+              lambda: f"{_brand(d)} {_brand(d)}", lambda: f"{_brand(d)} {_one_of(d, BRAND_ENDINGS)}",
+              lambda: f"{fake.last_name()} {_one_of(d, BRAND_ENDINGS)}",
+              lambda: fake.last_name() + _one_of(d, APP_ENDINGS),
+              lambda: f"Department for {_brand(d)} and {_brand(d)}", lambda: f"Ministry of {_brand(d)} Affairs",
+              lambda: f"{d._pick(Kind.LOCATION)} NHS Foundation Trust", lambda: f"{fake.first_name()} Ward",
+              lambda: f"{fake.last_name()} Surgery", lambda: f"{d._pick(Kind.LOCATION)} Medical Centre",
+              lambda: f"{fake.last_name()} House Care Home", lambda: f"{d._pick(Kind.LOCATION)} Housing Association",
+              lambda: f"{d._pick(Kind.LOCATION)} FC", lambda: f"{_brand(d)} {fake.last_name()} Partners",
+              lambda: "".join(w[0] for w in fake.company().split() if w[:1].isalpha()).upper()[:4] or "AB")
     return shapes[int(d.rng.integers(len(shapes)))]()
+
+
+def _health(d: ValueDrawer) -> str:
+    condition = d._pick(Kind.HEALTH)
+    if d.rng.random() < 0.25:
+        return _one_of(d, HEALTH_QUALIFIERS).format(condition)
+    return condition
 
 
 def _date(d: ValueDrawer) -> str:
@@ -180,6 +226,7 @@ _DRAWS: dict[str, Callable[[ValueDrawer], str]] = {
     "person:first": lambda d: str(d._faker().first_name()),
     "person:last": lambda d: str(d._faker().last_name()),
     "organization": _organization,
+    "health": _health,
     "location": lambda d: d._pick(COUNTRY if d.rng.random() < 0.3 else Kind.LOCATION),
     "location:country": lambda d: d._pick(COUNTRY),
     "address": lambda d: str(d._faker(ADDRESS_LOCALES).street_address()).replace("\n", ", "),
@@ -199,7 +246,7 @@ _DRAWS: dict[str, Callable[[ValueDrawer], str]] = {
     "identifier:ssn": lambda d: str(d._faker(("en_US",)).ssn()),
     "identifier:record": _record,
     **{kind.value: functools.partial(ValueDrawer._pick, key=kind.value)
-       for kind in VOCABULARY_KINDS if kind is not Kind.LOCATION},
+       for kind in VOCABULARY_KINDS if kind not in (Kind.LOCATION, Kind.HEALTH)},
 }
 
 

@@ -27,7 +27,8 @@ from privlm.detect.synthetic import NAME_PART
 from privlm_bench.chat.quality_prompts import PROMPTS_FILE, TEMPLATES, QualityPrompt, read_prompts
 
 HANDWRITTEN_FILE = Path("benchmarks/detect/handwritten.txt")  # relative to the repository root
-TEST_SPLIT, HANDWRITTEN = "test-split", "handwritten"
+TEST_SPLIT, HANDWRITTEN, SECOND_BATCH = "test-split", "handwritten", "handwritten-batch-2"
+SECOND_BATCH_IDS = "hw2-"  # the ids of the batch written after the first batch's test part was scored
 
 CHAT_KINDS: dict[str, Kind] = {
     "name": Kind.PERSON, "place": Kind.LOCATION, "age": Kind.AGE, "condition": Kind.HEALTH,
@@ -213,10 +214,21 @@ def read_handwritten(path: str | Path = HANDWRITTEN_FILE, part: str = "test") ->
     return EvalSet(HANDWRITTEN if part == "test" else f"{HANDWRITTEN}-{part}", str(path), tuple(prompts))
 
 
+def second_batch(handwritten: EvalSet) -> EvalSet:
+    """The prompts of ``handwritten`` from its second batch (ids ``hw2-``): written after the first batch's test
+    part had been scored, so that no figure of theirs had been seen when the detector was last changed."""
+    return EvalSet(SECOND_BATCH, handwritten.source,
+                   tuple(p for p in handwritten.prompts if p.id.startswith(SECOND_BATCH_IDS)))
+
+
 def load_sets(prompts_file: str | Path, handwritten_file: str | Path, limit: int | None = None
               ) -> Sequence[EvalSet]:
-    """Both sets, each cut to its first ``limit`` prompts."""
-    return [chat_quality_test(prompts_file).limited(limit), read_handwritten(handwritten_file).limited(limit)]
+    """The chat-quality test split, the hand-written test part, and that part's second batch on its own (where
+    it has one), each cut to its first ``limit`` prompts."""
+    handwritten = read_handwritten(handwritten_file)
+    later = second_batch(handwritten)
+    return [chat_quality_test(prompts_file).limited(limit), handwritten.limited(limit),
+            *([later.limited(limit)] if later.prompts else [])]
 
 
 HELD_OUT_FILE = Path("benchmarks/detect/held-out-values.txt")  # relative to the repository root

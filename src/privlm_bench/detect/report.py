@@ -2,7 +2,8 @@
 alone (``privlm bench report benchmarks/detect`` re-renders them).
 
 Verdicts (issue 39, "Done when"), each per set and computed from the ``privlm`` row of the run:
-- overall recall at least :data:`RECALL_GOALS` (97% on the test split, 95% on the hand-written set);
+- overall recall at least :data:`RECALL_GOALS` (97% on the test split, 95% on the hand-written set and on its
+  second batch alone);
 - recall at least 90% in every kind with at least 20 gold spans;
 - recall above Presidio's row of the same run, overall and in every kind with gold spans (point estimates; the
   intervals are in the tables; where both catch every span of a kind, 100% each, the kind passes: a tie at the
@@ -28,7 +29,7 @@ from privlm_bench.harness.report import markdown_table
 
 Row = Mapping[str, Any]
 OURS, RIVAL = "privlm", "presidio"
-RECALL_GOALS = {"test-split": 0.97, "handwritten": 0.95}
+RECALL_GOALS = {"test-split": 0.97, "handwritten": 0.95, "handwritten-batch-2": 0.95}
 KIND_GOAL, KIND_MIN_SPANS = 0.90, 20
 BATCHED_GOAL_MS, SINGLE_GOAL_MS = 15.0, 30.0
 PRECISION_EXPECTED = 0.80
@@ -90,11 +91,14 @@ def _rival_verdict(set_name: str, ours: Row, rival: Row | None) -> dict[str, str
     return _verdict(set_name, claim, not not_above, detail)
 
 
-def _latency_verdicts(set_name: str, ours: Row, rival: Row | None) -> list[dict[str, str]]:
+def _latency_verdicts(set_name: str, ours: Row, rival: Row | None, median_chars: float | None
+                      ) -> list[dict[str, str]]:
     latency = ours["latency"]
     size = int(latency["batch_size"])
     beside = "" if rival is None else (f" (Presidio: {rival['latency']['batched_median_ms']:.1f} ms and "
                                        f"{rival['latency']['batch1_median_ms']:.1f} ms)")
+    if median_chars is not None:  # time per prompt grows with its length: say how long this set's prompts are
+        beside += f"; prompts of median length {median_chars:,.0f} characters"
     return [
         _verdict(set_name, f"median latency <= {BATCHED_GOAL_MS:g} ms per prompt at batch {size}",
                  latency["batched_median_ms"] <= BATCHED_GOAL_MS,
@@ -115,7 +119,7 @@ def verdicts(payload: Mapping[str, Any]) -> list[dict[str, str]]:
             continue
         precision = ours["overall"]["precision"]
         out += [*_recall_verdicts(set_name, ours), _rival_verdict(set_name, ours, rival),
-                *_latency_verdicts(set_name, ours, rival),
+                *_latency_verdicts(set_name, ours, rival, payload["sets"][set_name].get("median_chars")),
                 _verdict(set_name, f"precision >= {PRECISION_EXPECTED:.0%} (expected)",
                          _rate(precision) >= PRECISION_EXPECTED,
                          f"{_pct(_rate(precision))} of {precision['n']} detected spans")]

@@ -143,6 +143,7 @@ def run_detect_bench(setting: DetectSetting, out_dir: Path, console: Console | N
                         f"batch {setting.batch_size} {latency['batched_median_ms']:.1f} ms per prompt", highlight=False)
     payload = {"metadata": meta | {"seconds": time.perf_counter() - started},
                "sets": {s.name: {"file": s.source, "prompts": len(s.prompts), "spans": sum(s.span_counts().values()),
+                                 "median_chars": float(np.median([len(p.text) for p in s.prompts])),
                                  "span_counts": s.span_counts()} for s in sets},
                "row_info": info, "skipped_rows": skipped, "rows": rows}
     return write_detect_report(out_dir, payload)

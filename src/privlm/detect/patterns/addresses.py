@@ -18,8 +18,13 @@ _EN_TYPES = (r"street|st|road|rd|avenue|ave|av|boulevard|blvd|lane|ln|drive|dr|c
              r"turnpike|expressway|freeway|route|rte")
 _HOUSE = r"[0-9]{1,5}[A-Za-z]?(?:[-/][0-9]{1,5}[A-Za-z]?)?"
 # anchored at a house number: "221B Baker Street", "1600 Pennsylvania Ave NW", "12 High St"
-_EN_STREET = re.compile(rf"{_HOUSE},?\s+(?:[A-Z][\w'\u2019.-]*\s+){{1,4}}(?i:{_EN_TYPES})(?!\w)"
-                        r"(?:\s+(?:NW|NE|SW|SE|N|S|E|W)(?!\w))?")
+# (one line: an address over several lines is one span per line, as a letter head writes it)
+_EN_STREET = re.compile(rf"{_HOUSE},?[ \t]+(?:[A-Z][\w'\u2019.-]*[ \t]+){{1,4}}(?i:{_EN_TYPES})(?!\w)"
+                        r"(?:[ \t]+(?:NW|NE|SW|SE|N|S|E|W)(?!\w))?")
+# what follows a street on its line up to a stop or the line's end: ", Newtown NSW 2042", ", Airport Area, Accra"
+_TAIL_TOKEN = r"(?:[A-ZÀ-Ý][\w'\u2019.-]*|[0-9]{4,5})"
+_TOWN_TAIL = re.compile(rf"(?:,?[ \t]+{_TAIL_TOKEN}(?:[ \t]+{_TAIL_TOKEN}){{0,3}}){{1,3}}(?=[ \t]*(?:[,.;:)!?]|$))",
+                        re.MULTILINE)
 # "12 high street": lower case, at most two words, none of them a word that a distance or a count would use
 _EN_STREET_LOWER = re.compile(r"[0-9]{1,5}[a-z]?\s+(?P<words>(?:[a-z][\w'\u2019-]*\s+){1,2})"
                               r"(?:street|st|road|rd|avenue|ave|lane|ln|drive|blvd|boulevard)(?!\w)")
@@ -27,7 +32,9 @@ _NOT_STREET_WORDS = frozenset({"the", "a", "an", "my", "our", "your", "his", "he
                                "up", "on", "in", "at", "to", "from", "of", "by", "across", "along", "off", "minutes",
                                "mins", "min", "blocks", "miles", "km", "houses", "doors", "steps", "yards", "meters",
                                "metres", "feet", "kids", "cars", "people", "times", "more", "other", "new", "old"})
-_UNIT_BEFORE = re.compile(r"(?:Flat|Apt\.?|Apartment|Unit|Suite|Ste\.?|Room|Apto\.?|Wohnung)\s*[0-9A-Z]{1,5},?\s+\Z",
+_UNIT = r"(?:Flat|Apt\.?|Apartment|Unit|Suite|Ste\.?|Room|Apto\.?|Wohnung)"
+# "Flat 3, 12 High St", or the unit's number as the house's: "Flat 11, Cedar Court", "House No. 14, Kofi Annan St"
+_UNIT_BEFORE = re.compile(rf"(?:{_UNIT}[ \t]*[0-9A-Z]{{1,5}},?[ \t]+|(?:{_UNIT}|House[ \t]+No\.?|Block)[ \t]*)\Z",
                           re.IGNORECASE)
 # "12 rue de la Paix", "5 avenue des Champs-Élysées"
 _FR_PARTICLE = r"(?:de|du|des|la|le|les|l'|l\u2019|d'|d\u2019|et|sur|en|à|aux?)"
@@ -82,9 +89,10 @@ def _find_numbered_streets(scan: Scan) -> Iterator[Span]:
             lower = _EN_STREET_LOWER.match(text, start)
             match = lower if lower and _NOT_STREET_WORDS.isdisjoint(lower.group("words").split()) else None
         if match is not None:
-            unit = _UNIT_BEFORE.search(text, max(0, start - 24), start)  # "Flat 3, 12 High St"
-            covered_to = match.end()
-            yield make_span(unit.start() if unit else start, match.end(), Kind.ADDRESS, SCORE_LIKELY, "address")
+            unit = _UNIT_BEFORE.search(text, max(0, start - 24), start)
+            tail = _TOWN_TAIL.match(text, match.end()) if match.re is _EN_STREET else None
+            covered_to = tail.end() if tail else match.end()
+            yield make_span(unit.start() if unit else start, covered_to, Kind.ADDRESS, SCORE_LIKELY, "address")
 
 
 def _find_named_streets(scan: Scan) -> Iterator[Span]:
