@@ -65,7 +65,7 @@ def test_the_scores_count_spans_detections_and_leaking_prompts_exactly() -> None
     overall = scores["overall"]
     assert {k: (v["hits"], v["n"]) for k, v in overall.items()} == {
         "recall": (2, 4), "typed_recall": (1, 4), "verbatim": (1, 4), "partly": (1, 4), "precision": (3, 5),
-        "prompts_leaking": (2, 2)}
+        "char_precision": (5 + 7 + 8, 5 + 5 + 7 + 8 + 7), "prompts_leaking": (2, 2)}  # "lives", "Nothing": 12 over
     assert scores["kinds"]["person"]["partly"]["hits"] == 1 and scores["kinds"]["contact"]["verbatim"]["hits"] == 1
     assert scores["kinds"]["identifier"]["recall"]["rate"] == 1.0
     assert scores["kinds"]["identifier"]["typed_recall"]["rate"] == 0.0
@@ -261,3 +261,27 @@ def test_the_committed_held_out_values_are_those_of_both_evaluation_sets() -> No
     committed = HELD_OUT_FILE.read_text(encoding="utf-8").splitlines()
     assert committed == held_out_values(), "rewrite it: python -m privlm_bench.detect.data"
     assert "Maria" in committed and not any(value.isdigit() for value in committed)  # names' parts, no numbers
+
+
+def test_the_development_sweep_scores_each_growth_ratio_and_floor_from_the_same_probabilities() -> None:
+    import numpy as np
+
+    from privlm.detect.tagger import LABELS
+    from privlm_bench.detect.development import development_markdown, variants
+
+    text = "Capital One Bank"
+    prompt = _gold(text, ("Capital One", Kind.ORGANIZATION))
+    offsets = np.array([[0, 7], [8, 11], [12, 16]])
+    probs = np.zeros((3, len(LABELS)))
+    probs[:, LABELS.index("organization")] = [0.6, 0.1, 0.01]
+    probs[:, 0] = 1 - probs[:, LABELS.index("organization")]
+    result = variants([prompt], [[]], [(offsets, probs)], {Kind.ORGANIZATION: 0.5}, ratios=(1.0, 0.1),
+                      floors=(0.0, 0.7), shipped_ratio=0.1)
+    growth = {e["ratio"]: (e["recall"]["hits"], e["partly"]["hits"]) for e in result["growth"]}
+    assert growth == {1.0: (0, 1), 0.1: (1, 0)}  # "One" (0.1) joins at a floor of 0.05, not without growth
+    floors = {e["floor"]: e["recall"]["hits"] for e in result["floors"]}
+    assert floors == {0.0: 1, 0.7: 0}  # no seed at 0.7
+    assert result["floors"][0]["char_precision"]["hits"] == len("CapitalOne")
+    payload = {"provenance": {"command": "privlm bench detect-dev", "git_commit": "0" * 40}, "set": "dev",
+               "prompts": 1, "spans": 1, "shipped_ratio": 0.1, **result}
+    assert "| 0.1 | 100.0% (1/1)" in development_markdown(payload)

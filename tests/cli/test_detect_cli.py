@@ -155,7 +155,7 @@ def test_backends_are_passed_by_name_and_an_unknown_one_is_a_usage_error(layer, 
     assert layer.backends == [["spacy", "presidio"]]
     result = runner.invoke(app, ["detect", str(notes), "--backend", "no-such-detector"])
     assert result.exit_code == 2
-    assert result.stderr.startswith("Error: no detection backend named no-such-detector; installed: ")
+    assert result.stderr.startswith("Error: no detection backend named 'no-such-detector'; installed: ")
     assert "presidio" in result.stderr and layer.backends == [["spacy", "presidio"]]  # nothing loaded
 
 

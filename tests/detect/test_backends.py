@@ -96,7 +96,7 @@ def test_privlm_registers_its_backends_as_entry_points() -> None:
     assert {"presidio", "spacy", "gliner"} <= set(detect_backends())
 
 
-def test_backends_load_by_name_and_join_the_default_detector_by_union() -> None:
+def test_backends_load_by_name_once_each_and_join_a_detector_by_union() -> None:
     class Marks:
         name = "marks"
 
@@ -126,6 +126,7 @@ def test_a_backend_whose_library_is_missing_says_what_to_install() -> None:
         load_backends(["gliner"], "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("presidio_analyzer") is None, reason="presidio-analyzer not installed")
 def test_the_real_presidio_and_spacy_backends_where_installed() -> None:
     presidio, spacy = load_backends(["presidio", "spacy"], "cpu")

@@ -19,6 +19,7 @@ from privlm.detect.service import DETECT_PATH, DetectorSource, detect_router
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service import BearerKeys, create_service_app
+from privlm.service.audit import AuditLog
 from privlm.service.upstream import ChatUpstream
 from tests.service.fuzz import conforming, fuzz_openapi
 from tests.service.localhost import serving
@@ -53,8 +54,9 @@ class FakeLayer:
 
 
 def _gateway(stub_url: str, detector: DetectorSource, *, ledger: Ledger | None = None,
-             keys: Sequence[str] = (KEY,)) -> FastAPI:
-    setup = ChatSetup(privacy=fake_privacy(ledger=ledger), upstream=ChatUpstream(stub_url), models=["stub-model"])
+             keys: Sequence[str] = (KEY,), audit: AuditLog | None = None) -> FastAPI:
+    setup = ChatSetup(privacy=fake_privacy(ledger=ledger), upstream=ChatUpstream(stub_url), models=["stub-model"],
+                      audit=audit)
     return create_privacy_gateway(chat=setup, detector=detector, api_keys=keys)
 
 
@@ -67,12 +69,20 @@ def _detect_only(detector: DetectorSource, **limits: int) -> FastAPI:
 
 def test_each_text_gets_its_spans_with_exact_offsets_and_nothing_goes_upstream_or_is_charged(stub, tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 100.0})
+    audit = tmp_path / "audit.jsonl"
     layer = FakeLayer()
     texts = [PROMPT, "   ", "Nothing personal here."]
     sent_before = len(stub.bodies)  # the stub is shared by every test of this worker
-    with serving(_gateway(stub.url, Detector([layer]), ledger=ledger)) as url:
+    with serving(_gateway(stub.url, Detector([layer]), ledger=ledger, audit=AuditLog(audit))) as url:
         answer = httpx.post(f"{url}{DETECT_PATH}", json={"input": texts}, headers=AUTH, timeout=TIMEOUT)
         single = httpx.post(f"{url}{DETECT_PATH}", json={"input": PROMPT}, headers=AUTH, timeout=TIMEOUT)
+        audited_by_detect = audit.read_text()
+        spent_by_detect = ledger.spent(ledger.principal_of_key(KEY), PrivacyUnit.EPSILON)
+        sent_by_detect = len(stub.bodies) - sent_before
+        chat = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
+                          json={"model": "stub-model", "messages": [{"role": "user", "content": "hello"}]})
+    assert audited_by_detect == ""  # detection releases nothing, so the audit log has nothing to keep
+    assert chat.status_code == 200 and '"event": "released"' in audit.read_text()  # while a chat release is kept
     assert answer.status_code == single.status_code == 200, answer.text + single.text
     body = answer.json()
     assert body["object"] == "list" and body["model"] == "privlm-detect"
@@ -84,8 +94,8 @@ def test_each_text_gets_its_spans_with_exact_offsets_and_nothing_goes_upstream_o
     assert body["data"][1]["spans"] == body["data"][2]["spans"] == []
     assert single.json()["data"] == body["data"][:1]
     assert [text for batch in layer.batches for text in batch].count("   ") == 0  # a blank text is never detected
-    assert len(stub.bodies) == sent_before  # nothing left the machine
-    assert ledger.spent(ledger.principal_of_key(KEY), PrivacyUnit.EPSILON) == 0  # nothing was charged
+    assert sent_by_detect == 0 and len(stub.bodies) == sent_before + 1  # nothing left the machine before the chat
+    assert spent_by_detect == 0  # nothing was charged
 
 
 def test_the_same_keys_as_the_other_routes(stub):
@@ -105,7 +115,7 @@ def test_the_same_keys_as_the_other_routes(stub):
 @pytest.mark.parametrize(("body", "code", "named"), [
     ({"input": ["a"] * 257}, "max_inputs_per_request", "1 to 256 texts, got 257"),
     ({"input": []}, "max_inputs_per_request", "1 to 256 texts, got 0"),
-    ({"input": ["x" * 600_000, "y" * 400_001]}, "max_chars_per_request", "1,000,001 characters"),
+    ({"input": ["x" * 150_000, "y" * 50_001]}, "max_chars_per_request", "200,001 characters"),
     ({"input": 3}, "invalid_request", "input"),
     ({"text": "hello"}, "invalid_request", "input"),
 ])

@@ -143,13 +143,12 @@ def _inputs(files: Sequence[str], *, lines: bool) -> Iterator[_Input]:
 
 
 def _known_backends(names: Sequence[str]) -> list[str]:
-    from privlm.plugins import detect_backends
+    from privlm.detect.backends import known_backends
 
-    known = detect_backends()
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise _fail(f"no detection backend named {', '.join(unknown)}; installed: {', '.join(sorted(known)) or 'none'}",
-                    USAGE_ERROR)
+    try:
+        known_backends(names)
+    except ValueError as error:
+        raise _fail(str(error), USAGE_ERROR) from None
     return list(names)
 
 

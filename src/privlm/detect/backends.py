@@ -68,8 +68,9 @@ def installed_spacy_pipeline() -> str:
     for name in SPACY_PIPELINES:
         if importlib.util.find_spec(name) is not None:
             return name
-    raise BackendUnavailableError("no English spaCy pipeline is installed: `pip install en-core-web-sm` (or any of "
-                                  f"{', '.join(SPACY_PIPELINES)}); nothing is downloaded at run time")
+    raise BackendUnavailableError("no English spaCy pipeline is installed: install one yourself, once (`python -m "
+                                  f"spacy download en_core_web_sm`, or any of {', '.join(SPACY_PIPELINES)}); privlm "
+                                  "downloads nothing")
 
 
 def _spans(text: str, found: Iterable[tuple[int, int, Kind, float, str]]) -> list[Span]:
@@ -157,7 +158,7 @@ def presidio(device: str = "auto") -> Layer:
 
 def spacy(device: str = "auto") -> Layer:
     """The best English spaCy pipeline installed, its named entities only."""
-    _require("spacy", "`pip install spacy en-core-web-sm`")
+    _require("spacy", "`pip install spacy`, then `python -m spacy download en_core_web_sm`")
     import spacy as spacy_module
 
     if device.startswith("cuda"):
@@ -171,19 +172,28 @@ def gliner(device: str = "auto") -> Layer:
     _require("gliner", "`pip install gliner`, then fetch the weights of " + GLINER_MODEL + " once")
     from gliner import GLiNER
 
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the backbone's tokenizer and config too, not only the GLiNER weights
     try:
         model = GLiNER.from_pretrained(GLINER_MODEL, local_files_only=True)
     except Exception as error:  # a cache miss surfaces as one of several hub errors
         raise BackendUnavailableError(f"GLiNER's weights ({GLINER_MODEL}) are not on this machine: {error}") from None
+    finally:
+        if offline is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
     if device != "auto":
         model = model.to(device)
     return GlinerLayer(model)
 
 
-def load_backends(names: Sequence[str], device: str, factories: Mapping[str, Callable[[], Any]] | None = None
-                  ) -> list[Layer]:
-    """The layers of the backends ``names``, each built for ``device`` by the factory its entry point names
-    (``factories``: name -> loader, default :func:`privlm.plugins.detect_backends`)."""
+Loaders = Mapping[str, Callable[[], Any]]  # backend name -> its entry point's load
+
+
+def known_backends(names: Sequence[str], factories: Loaders | None = None) -> Loaders:
+    """The installed backends (``factories``, default :func:`privlm.plugins.detect_backends`), after checking that
+    each of ``names`` is one of them (``ValueError`` naming the unknown and the installed)."""
     from privlm.plugins import detect_backends
 
     known = detect_backends() if factories is None else factories
@@ -191,6 +201,12 @@ def load_backends(names: Sequence[str], device: str, factories: Mapping[str, Cal
     if unknown:
         raise ValueError(f"no detection backend named {', '.join(map(repr, unknown))}; installed: "
                          f"{', '.join(sorted(known)) or 'none'}")
+    return known
+
+
+def load_backends(names: Sequence[str], device: str, factories: Loaders | None = None) -> list[Layer]:
+    """The layers of the backends ``names``, each built for ``device`` by the factory its entry point names."""
+    known = known_backends(names, factories)
     layers = []
     for name in dict.fromkeys(names):
         layer = known[name]()(device)
@@ -201,4 +217,5 @@ def load_backends(names: Sequence[str], device: str, factories: Mapping[str, Cal
 
 
 __all__ = ["GLINER_LABELS", "PRESIDIO_KINDS", "SPACY_KINDS", "BackendUnavailableError", "GlinerLayer",
-           "PresidioLayer", "SpacyLayer", "gliner", "installed_spacy_pipeline", "load_backends", "presidio", "spacy"]
+           "PresidioLayer", "SpacyLayer", "gliner", "installed_spacy_pipeline", "known_backends", "load_backends",
+           "presidio", "spacy"]

@@ -1,6 +1,6 @@
 """Synthetic training data for the tagger: realistic requests with every personal detail marked, made offline.
 
-An example fills one to four templates (:mod:`privlm.detect.templates`) inside a frame (a chat message, an email,
+An example fills one to three templates (two to six form lines; :mod:`privlm.detect.templates`) inside a frame (a chat message, an email,
 a form, a list) with values drawn for their slots, so the marks are exact by construction. Public text with no
 detail (tweets, fortunes, WordNet glosses: :func:`privlm.data.public_corpus`) comes in as filler sentences and
 as whole negative examples.

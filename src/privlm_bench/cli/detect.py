@@ -46,3 +46,21 @@ def bench_detect(
         changes["threads"] = threads
     files = run_detect_bench(DetectSetting(**changes), out, console, command=["privlm", *sys.argv[1:]])
     console.print(f"Wrote {', '.join(str(f) for f in files)}")
+
+
+@bench_app.command("detect-dev")
+def bench_detect_dev(
+    out: Annotated[Path, typer.Option(help="Output folder: development.json and development.md.")
+                   ] = Path("benchmarks/detect"),
+    device: Annotated[str, typer.Option(help="The tagger's device (cpu, cuda, auto).")] = "cpu",
+    handwritten: Annotated[Path | None, typer.Option(help="The hand-written set (default "
+                                                          "benchmarks/detect/handwritten.txt).")] = None,
+) -> None:
+    """The detector's decoding choices (the tagger's growth ratio, a floor under its thresholds) swept on the
+    hand-written set's development quarter only: recall, partly covered, precision and character precision."""
+    from privlm_bench.detect.data import HANDWRITTEN_FILE
+    from privlm_bench.detect.development import development_sweep, write_development
+
+    payload = development_sweep(device, handwritten or HANDWRITTEN_FILE, command=["privlm", *sys.argv[1:]])
+    files = write_development(payload, out)
+    console.print(f"Wrote {', '.join(str(f) for f in files)}")

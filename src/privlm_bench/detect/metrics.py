@@ -7,6 +7,8 @@ Per gold span, with the characters the detected spans cover (of any kind: a reda
   one that starts first);
 - verbatim: none is covered (the value goes upstream whole); partly: some but not all.
 Per detected span, correct: it shares at least one alphanumeric character with some gold span (of any kind).
+Per character, char precision: of the alphanumeric characters inside detected spans, the share inside gold spans
+(what a span over-redacts beyond a detail counts against it, which span precision does not see).
 Per prompt with gold spans, leaking: at least one of them not caught.
 
 Every share comes with its 95% Clopper-Pearson interval (:func:`privlm.attacks.clopper_pearson_lower` and
@@ -100,6 +102,13 @@ def _main_kind(positions: Sequence[int], detected: Sequence[Span]) -> Kind | Non
     return best
 
 
+def detected_characters(text: str, gold: Sequence[GoldSpan], detected: Sequence[Span]) -> tuple[int, int]:
+    """The alphanumeric characters inside ``detected`` spans that lie inside ``gold`` spans, and all of them."""
+    marked = {i for span in gold for i in alnum_positions(text, span.start, span.end)}
+    covered = {i for span in detected for i in alnum_positions(text, span.start, min(span.end, len(text)))}
+    return len(covered & marked), len(covered)
+
+
 def correct_detections(text: str, gold: Sequence[GoldSpan], detected: Sequence[Span]) -> list[bool]:
     """Whether each detected span shares an alphanumeric character with some gold span."""
     marked = {i for span in gold for i in alnum_positions(text, span.start, span.end)}
@@ -139,7 +148,7 @@ def score(prompts: Sequence[GoldPrompt], detections: Sequence[Sequence[Span]]) -
     if len(prompts) != len(detections):
         raise ValueError(f"{len(detections)} detections for {len(prompts)} prompts")
     overall, by_gold, by_detected = _Tally(), {k: _Tally() for k in Kind}, {k: _Tally() for k in Kind}
-    leaking, with_gold = 0, 0
+    leaking, with_gold, gold_characters, detected_chars = 0, 0, 0, 0
     for prompt, found in zip(prompts, detections, strict=True):
         outcomes = judge_spans(prompt.text, prompt.spans, found)
         for outcome in outcomes:
@@ -149,9 +158,12 @@ def score(prompts: Sequence[GoldPrompt], detections: Sequence[Sequence[Span]]) -
             for tally in (overall, by_detected[span.kind]):
                 tally.detected += 1
                 tally.correct += correct
+        inside, covered = detected_characters(prompt.text, prompt.spans, found)
+        gold_characters, detected_chars = gold_characters + inside, detected_chars + covered
         with_gold += bool(outcomes)
         leaking += any(not o.caught for o in outcomes)
     return {"overall": {**overall.span_rates(), "precision": overall.precision(),
+                        "char_precision": Rate(gold_characters, detected_chars).as_dict(),
                         "prompts_leaking": Rate(leaking, with_gold).as_dict()},
             "kinds": {k.value: t.span_rates() for k, t in by_gold.items() if t.spans},
             "precision_kinds": {k.value: t.precision() for k, t in by_detected.items() if t.detected}}

@@ -159,7 +159,7 @@ def precision_table(payload: Mapping[str, Any], set_name: str) -> str:
     for r in rows:
         overall = r["overall"]["precision"]
         cells: dict[str, object] = {"row": _label(payload, r["row"]), "overall": _cell(overall),
-                                    "detected": overall["n"]}
+                                    "detected": overall["n"], "characters": _cell(r["overall"].get("char_precision"))}
         for kind in kinds:
             measure = r["precision_kinds"].get(kind)
             cells[kind] = "-" if measure is None else f"{_rate(measure):.3f} (n={measure['n']})"
@@ -213,9 +213,11 @@ def markdown(payload: Mapping[str, Any]) -> str:
     lines += ["", "Recall: a gold span is caught when every letter and digit of it lies inside some detected span (of "
               "any kind: a redactor removes them all); typed: caught, and the detected span covering most of it has "
               "its kind. Left verbatim: none of its letters and digits covered; partly: some. Precision: a detected "
-              "span is correct when it shares a letter or digit with some gold span. Cells: the share [95% "
-              "Clopper-Pearson interval]; n: gold spans (recall) or detected spans (precision). Latency in ms per "
-              "prompt, after the same warm-up for every row; scores from the batch-1 pass.", "", "## Verdicts", ""]
+              "span is correct when it shares a letter or digit with some gold span; characters: of the letters and "
+              "digits inside detected spans, the share inside gold spans (over-redaction counts). Cells: the share "
+              "[95% Clopper-Pearson interval]; n: gold spans (recall) or detected spans (precision). Latency in ms per "
+              "prompt, after the same warm-up for every row, each prompt and batch timed `passes` times (the setting) "
+              "and its fastest kept; scores from the batch-1 pass.", "", "## Verdicts", ""]
     lines += [f"- {v['set']}: {v['claim']}: **{v['verdict']}** ({v['detail']})" for v in payload["verdicts"]]
     for set_name in payload["sets"]:
         lines += ["", f"## {set_name}", "", "### Recall", "", recall_table(payload, set_name),

