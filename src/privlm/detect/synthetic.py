@@ -1,9 +1,9 @@
 """Synthetic training data for the tagger: realistic requests with every personal detail marked, made offline.
 
-An example fills one to three templates (two to six form lines; :mod:`privlm.detect.templates`) inside a frame (a chat message, an email,
-a form, a list) with values drawn for their slots, so the marks are exact by construction. Public text with no
-detail (tweets, fortunes, WordNet glosses: :func:`privlm.data.public_corpus`) comes in as filler sentences and
-as whole negative examples.
+An example fills one to three templates (two to six form lines; :mod:`privlm.detect.templates`) inside a frame (a
+chat message, an email, a form, a list) with values drawn for their slots, so the marks are exact by construction.
+Public text with no detail (tweets, fortunes, WordNet glosses: :func:`privlm.data.public_corpus`) comes in as filler
+sentences and as whole negative examples.
 
 Splits. Templates go to train, validation or test by a stable hash of their id, and every value by a stable hash
 of its text (:func:`split_of`; a name by each of its parts), so the test split holds shapes *and* values that
