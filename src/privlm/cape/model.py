@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -186,6 +186,16 @@ class Cape:
             by_chunk.setdefault(i // self.room, []).append(i % self.room)
         return [Query(ids=prompt.ids[c * self.room:(c + 1) * self.room], positions=tuple(local))
                 for c, local in sorted(by_chunk.items())]
+
+    def preparation_key(self, scope: Hashable) -> Hashable | None:
+        """Capes with one key may share a preparation (:class:`~privlm.models.perturbation.SharedPreparation`): one
+        device model, one configuration but for epsilon, one non-sensitive list. None where this Cape calibrates B
+        on its first texts (it would take them from another request). An int8 model's dynamic quantization scales
+        a batch as a whole, so a text's utilities depend on the others': there only one ``scope`` shares."""
+        if self.config.on_uncalibrated != "error":
+            return None
+        key: tuple[Hashable, ...] = (id(self.device_model), replace(self.config, epsilon=1.0), self.non_sensitive)
+        return (*key, scope) if self.device_model.quantized else key
 
     def prepare(self, texts: Sequence[str]) -> list[PreparedPrompt]:
         """Tokens and utility rows of every prompt (one forward pass per batch); independent of epsilon."""

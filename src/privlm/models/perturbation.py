@@ -8,10 +8,10 @@ the client: it holds the original text of every token.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from privlm.accounting import Ledger, charge
 from privlm.mechanisms import PrivacyUnit, Spend
@@ -108,6 +108,23 @@ class TextPerturber(Protocol):
     def perturb(self, text: str) -> PerturbedPrompt: ...
 
     def perturb_batch(self, texts: Sequence[str]) -> list[PerturbedPrompt]: ...
+
+
+@runtime_checkable
+class SharedPreparation(Protocol):
+    """A :class:`TextPerturber` whose work that depends neither on epsilon nor on the draw (Cape: the forward passes
+    and distances) may be done once for the texts of several requests, then released request by request.
+
+    ``preparation_key(scope)``: perturbers whose keys are equal may share one preparation; ``scope`` identifies the
+    request (its principal and epsilon), for a perturber whose preparation of a text depends on the others sharing
+    it; None: this perturber never shares. ``prepare(texts)`` neither charges nor draws; ``release(prepared)``
+    charges and draws as ``perturb_batch`` of the same texts would."""
+
+    def preparation_key(self, scope: Hashable) -> Hashable | None: ...
+
+    def prepare(self, texts: Sequence[str]) -> Sequence[object]: ...
+
+    def release(self, prepared: Sequence[Any]) -> list[PerturbedPrompt]: ...
 
 
 def perturb_one(perturber: TextPerturber, text: str) -> PerturbedPrompt:

@@ -10,16 +10,17 @@ It fails closed: if perturbing fails for any reason, :meth:`PromptPrivacy.privat
 :class:`PrivacyStepError`, whose message names the kind of failure and never the text; the caller must not
 forward anything.
 
-Concurrent requests share the device model's forward passes (:meth:`PromptPrivacy.batched`, the async entry
-point of the chat gateway and the guardrail): :meth:`PromptPrivacy.privatize_many` gives each request exactly
-what :meth:`~PromptPrivacy.privatize` would give it alone (its own perturber, generator, epsilon and principal,
-its own all-or-nothing charge before its own draws, its own error), and only Cape's preparation, the forward
-passes and distances that depend neither on epsilon nor on the draw, is computed once for the texts of several
-requests. Each row of a fp32 forward pass is computed from its own text: the other texts of the pass change a
-text's utilities only through the pass's padded length (float rounding, a few ulps: 3e-7 measured on SmolLM2),
-never through their content, as when one request's own texts are padded together (a test checks both). An int8
-model's dynamic quantization scales each batch as a whole, so a text's utilities depend on the other texts'
-content: there only requests of one principal at one epsilon share a preparation.
+Concurrent requests share the device model's forward passes (:meth:`PromptPrivacy.batched`, the async entry point
+of the chat gateway and the guardrail): :meth:`PromptPrivacy.privatize_many` gives each request exactly what
+:meth:`~PromptPrivacy.privatize` would give it alone (its own perturber, generator, epsilon and principal, its own
+all-or-nothing charge before its own draws, its own error), and only the preparation of a mechanism that offers one
+(:class:`~privlm.models.perturbation.SharedPreparation`; Cape's: the forward passes and distances that depend
+neither on epsilon nor on the draw) is computed once for the texts of several requests. Each row of a fp32 forward
+pass is computed from its own text: the other texts of the pass change a text's utilities only through the pass's
+padded length (float rounding, a few ulps: 3e-7 measured on SmolLM2), never through their content, as when one
+request's own texts are padded together (a test checks both). An int8 model's dynamic quantization scales each
+batch as a whole, so a text's utilities depend on the other texts' content: there only requests of one principal at
+one epsilon share a preparation.
 """
 
 from __future__ import annotations
@@ -27,18 +28,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from privlm._validation import check_positive_int
 from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError, Ledger
-from privlm.cape.calibration import LogitBound
-from privlm.cape.model import Cape, PreparedPrompt
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models.device import resolve_device
 from privlm.models.language import LanguageModel
-from privlm.models.perturbation import PerturbedPrompt, PromptReport, TextPerturber
+from privlm.models.perturbation import PerturbedPrompt, PromptReport, SharedPreparation, TextPerturber
 from privlm.models.text_mechanisms import CalibratedBound, MechanismContext, check_epsilon, text_mechanism
 from privlm.service import ServiceError
 from privlm.service.batching import Batcher
@@ -163,9 +162,10 @@ class PromptPrivacy:
                    ledger=ledger, unit=chosen.unit, max_prompt_tokens=max_prompt_tokens, device=device_model.device)
 
     @classmethod
-    def cape(cls, device_model: LanguageModel, *, epsilon: float, logit_bound: float | LogitBound | None,
+    def cape(cls, device_model: LanguageModel, *, epsilon: float, logit_bound: CalibratedBound | float | None,
              ledger: Ledger | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> PromptPrivacy:
-        """Cape on ``device_model`` with its logit bound B (a :class:`LogitBound` of this model, or a number)."""
+        """The registry's ``cape`` on ``device_model`` with its logit bound B (a bound calibrated on this model, or a
+        number)."""
         return cls.of("cape", device_model, epsilon=epsilon, logit_bound=logit_bound, ledger=ledger,
                       max_prompt_tokens=max_prompt_tokens)
 
@@ -211,7 +211,7 @@ class PromptPrivacy:
         return outcome
 
     def privatize_many(self, requests: Sequence[PrivacyRequest]) -> list[PrivateTexts | Exception]:
-        """Each request as :meth:`privatize` perturbs it alone, Cape's preparation shared (blocking; module doc).
+        """Each request as :meth:`privatize` perturbs it alone, a preparation shared (blocking; module doc).
 
         Per request, its texts or the error :meth:`privatize` would raise for it (``BudgetExhaustedError``,
         :class:`PrivacyStepError`), which concerns it alone; a shared preparation that fails fails every request
@@ -274,7 +274,7 @@ class _Release:
     privacy: PromptPrivacy
     request: PrivacyRequest
     perturber: TextPerturber | None = None
-    prepared: list[PreparedPrompt] | None = None  # its texts' share of a preparation made with others
+    prepared: Sequence[object] | None = None  # its texts' share of a preparation made with others
     failure: Exception | None = None
     seconds: float = 0.0  # its own time, and the preparation it shared
     epsilon: float = field(init=False)
@@ -298,14 +298,12 @@ class _Release:
         return [self.request.texts[i] for i in self.wanted]
 
     def preparation_key(self) -> Hashable | None:
-        """Requests with one key may share Cape's preparation (module doc); None: this one is perturbed alone."""
-        cape = self.perturber
-        if type(cape) is not Cape or self.failure is not None or cape.config.on_uncalibrated != "error":
-            return None  # a Cape that calibrates B on its first texts would take them from another request
-        key: tuple[Hashable, ...] = (id(cape.device_model), replace(cape.config, epsilon=1.0), cape.non_sensitive)
-        if cape.device_model.quantized:  # int8 scales per batch: a text's utilities depend on the others'
-            key += (self.request.principal, self.epsilon)
-        return key
+        """Requests with one key share a preparation (module doc); None: this one is perturbed alone."""
+        perturber = self.perturber
+        if self.failure is not None or not isinstance(perturber, SharedPreparation):
+            return None
+        key = perturber.preparation_key((self.request.principal, self.epsilon))
+        return None if key is None else (type(perturber), key)
 
     def finish(self) -> PrivateTexts | Exception:
         """Its charge, then its draws (its own perturber on its own texts), then the checks; or its error."""
@@ -318,7 +316,7 @@ class _Release:
             try:
                 results: Sequence[PerturbedPrompt] = (
                     self.perturber.perturb_batch(self.texts) if self.prepared is None
-                    else _cape(self.perturber).release(self.prepared))
+                    else _shared(self.perturber).release(self.prepared))
                 _check_results(results, len(self.wanted), charged=privacy.ledger is not None)
             except (BudgetExhaustedError, DatabaseUnavailableError) as error:  # refused, or the ledger is down
                 return error
@@ -335,19 +333,19 @@ class _Release:
                             seconds=self.seconds + time.perf_counter() - started)
 
 
-def _cape(perturber: TextPerturber | None) -> Cape:
-    if not isinstance(perturber, Cape):
-        raise TypeError("a shared preparation is Cape's only")
+def _shared(perturber: TextPerturber | None) -> SharedPreparation:
+    if not isinstance(perturber, SharedPreparation):
+        raise TypeError("only a perturber with a shared preparation releases one")
     return perturber
 
 
 def _prepare_together(group: list[_Release]) -> None:
-    """One preparation (Cape's forward passes and distances) for every text of ``group``, each call's share kept;
+    """One preparation (Cape's: forward passes and distances) for every text of ``group``, each call's share kept;
     if it fails, every call fails closed, none of them charged (a preparation neither charges nor draws)."""
     texts = [text for call in group for text in call.texts]
     started = time.perf_counter()
     try:
-        prepared = _cape(group[0].perturber).prepare(texts)
+        prepared = _shared(group[0].perturber).prepare(texts)
         if len(prepared) != len(texts):
             raise RuntimeError("the preparation returned a different number of texts")
     except Exception as error:
