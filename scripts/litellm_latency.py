@@ -114,7 +114,7 @@ def hops(n: int) -> None:
 
 
 def step(n: int) -> None:
-    from privlm.cape.service.privacy import PromptPrivacy
+    from privlm.chat.service.privacy import PromptPrivacy
     from privlm.models.language import LanguageModel
 
     privacy = PromptPrivacy.cape(LanguageModel.from_pretrained("smollm2", device="cpu"), epsilon=6.0,

@@ -6,7 +6,7 @@ from pathlib import Path
 import privlm
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("snd", "cape", "sap", "detect")
+SYSTEMS = ("snd", "cape", "sap", "detect", "chat")
 
 
 def _contract(name_start: str) -> dict:

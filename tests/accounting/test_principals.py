@@ -24,9 +24,9 @@ import openai
 import pytest
 
 from privlm.accounting import Ledger
+from privlm.chat.service.audit import AuditLog
 from privlm.mechanisms import PrivacyUnit
 from privlm.sap.service.wire import SESSIONS_PATH
-from privlm.service.audit import AuditLog
 from tests.sap.service.conftest import KEYS as VENDOR_KEYS
 from tests.sap.service.test_vendor_server import _app as vendor_app
 from tests.sap.service.test_vendor_server import _fingerprint, _session

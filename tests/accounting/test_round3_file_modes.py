@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from privlm.accounting import Ledger
-from privlm.cape.service.memory import ConversationMemory, EarlierRelease
+from privlm.chat.service.audit import AuditLog
+from privlm.chat.service.memory import ConversationMemory, EarlierRelease
 from privlm.mechanisms import PrivacyUnit, Spend
-from privlm.service.audit import AuditLog
 
 PRIVATE = 0o600
 

@@ -289,7 +289,7 @@ def test_restore_measures_pair_each_restored_answer_with_its_own_upstream_answer
 
 
 def _names_gateway(stub: Any, **options: Any) -> Any:
-    from privlm.cape.service.chat import ChatOptions
+    from privlm.chat.service.completions import ChatOptions
     from tests.support.chat import NamePerturber, chat_gateway, fake_privacy
 
     restore = options.pop("restore", True)
@@ -313,7 +313,7 @@ def test_a_private_call_reads_the_upstreams_answer_and_the_restored_one_from_the
 
 
 def test_a_private_call_refuses_a_gateway_that_does_not_restore_or_that_remembers(stub):
-    from privlm.cape.service.memory import ConversationMemory
+    from privlm.chat.service.memory import ConversationMemory
     from privlm_bench.chat.quality import Upstream
     from tests.support.chat import ECHO
 
@@ -330,7 +330,7 @@ def test_the_bench_extracts_with_the_call_the_gateways_extract_makes(stub):
     """The bench's extraction of an upstream answer is the gateway's --extract of it: same prompt, answer, limit."""
     from typing import cast
 
-    from privlm.cape.service.extraction import AnswerExtractor
+    from privlm.chat.extraction import AnswerExtractor
     from privlm.models.chat import ChatModel
     from privlm_bench.chat.quality import QualityBench, Upstream
     from tests.support.chat import ECHO, chat_gateway, fake_privacy

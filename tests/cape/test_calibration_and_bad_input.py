@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from privlm.cape import Cape, LogitBound
-from privlm.cape.service.privacy import PromptPrivacy
+from privlm.chat.service.privacy import PromptPrivacy
 from tests.cape.conftest import NEIGHBOUR, PROMPT, B
 from tests.conftest import BAD_POSITIVE_REALS
 

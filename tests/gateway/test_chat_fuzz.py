@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from privlm.chat.service.upstream import ChatUpstream
 from privlm.detect import Detector
 from privlm.detect.patterns import PatternLayer
 from privlm.gateway import ChatSetup, create_privacy_gateway, mechanism_privacy
-from privlm.service.upstream import ChatUpstream
 from tests.service.fuzz import conforming, fuzz_openapi
 from tests.service.localhost import serving
 from tests.support.chat import EPS, fake_privacy

@@ -14,13 +14,13 @@ import pytest
 from fastapi import FastAPI
 
 from privlm.accounting import Ledger
+from privlm.chat.service.audit import AuditLog
+from privlm.chat.service.upstream import ChatUpstream
 from privlm.detect import Detector, Kind, Span
 from privlm.detect.service import DETECT_PATH, DetectorSource, detect_router
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service import BearerKeys, create_service_app
-from privlm.service.audit import AuditLog
-from privlm.service.upstream import ChatUpstream
 from tests.service.fuzz import conforming, fuzz_openapi
 from tests.service.localhost import serving
 from tests.support.chat import fake_privacy

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from privlm.accounting import Ledger
 from privlm.cape import LogitBound
+from privlm.chat.service.upstream import ChatUpstream
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.auth import CHAT_UPSTREAM_API_KEY_ENV, GATEWAY_API_KEYS_ENV, KEY_ENV_VARS
 from privlm.service.process import stop
-from privlm.service.upstream import ChatUpstream
 from tests.service.localhost import start_privlm_on_free_port
 from tests.support.chat import CANNED_CONTENT, TIMEOUT, B, fake_privacy
 

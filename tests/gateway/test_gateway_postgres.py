@@ -10,8 +10,8 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.accounting.database import close_pools
-from privlm.cape.service.guardrail import GUARDRAIL_PATH, create_guardrail_app
-from privlm.cape.service.memory import ConversationMemory
+from privlm.chat.service.guardrail import GUARDRAIL_PATH, create_guardrail_app
+from privlm.chat.service.memory import ConversationMemory
 from privlm.mechanisms import PrivacyUnit
 from privlm_bench.harness.postgres import PostgresServer
 from tests.service.localhost import serving

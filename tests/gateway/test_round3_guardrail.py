@@ -14,10 +14,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from privlm.chat.service.upstream import ChatUpstream
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.gateway.settings import GatewaySettings
-from privlm.service.upstream import ChatUpstream
-from tests.cape.test_round3_guardrail import Held, held_privacy
+from tests.chat.test_round3_guardrail import Held, held_privacy
 from tests.service.localhost import serving
 from tests.support import litellm
 from tests.support.chat import TIMEOUT

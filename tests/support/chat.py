@@ -1,5 +1,5 @@
 """What the private chat gateway's tests share (the fixtures ``stub``, in tests/conftest.py, and ``cape_privacy``,
-in tests/cape/service/conftest.py, are built from it).
+in tests/chat/conftest.py, are built from it).
 
 - ``stub_app``: a fast OpenAI-compatible upstream on a real uvicorn server that records every request it receives
   and answers canned bytes: a completion, or an SSE stream. Special model names make it misbehave (slow, 500,
@@ -25,11 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from privlm.accounting import Ledger
-from privlm.cape.service.chat import create_chat_gateway
-from privlm.cape.service.privacy import PromptPrivacy
+from privlm.chat.service.completions import create_chat_gateway
+from privlm.chat.service.privacy import PromptPrivacy
+from privlm.chat.service.upstream import ChatUpstream
 from privlm.mechanisms import PrivacyUnit, Spend
 from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
-from privlm.service.upstream import ChatUpstream
 from tests.service.localhost import serving
 
 EPS = 6.0

@@ -2,9 +2,9 @@
 
   - ``POST /v1/embeddings``: SnD (:mod:`privlm.snd.service.gateway`), with a remote ``privlm serve``;
   - ``POST /v1/chat/completions``: prompts perturbed by Cape or another token-level mechanism, for any
-    OpenAI-compatible upstream (:mod:`privlm.cape.service.chat`);
+    OpenAI-compatible upstream (:mod:`privlm.chat.service.completions`);
   - ``POST /beta/litellm_basic_guardrail_api``: the same perturbation as a LiteLLM guardrail
-    (:mod:`privlm.cape.service.guardrail`);
+    (:mod:`privlm.chat.service.guardrail`);
   - ``POST /v1/detect``: the personal details the local detector finds, nothing sent or charged
     (:mod:`privlm.detect.service`);
   - ``GET /v1/models``: the embedding model and the chat models, in one list.
@@ -26,9 +26,10 @@ import privlm.baselines
 import privlm.cape  # noqa: F401 (Cape's variants register by name)
 from privlm.accounting import Ledger
 from privlm.cape.calibration import LogitBound
-from privlm.cape.service.chat import ChatOptions, chat_router, closing_upstream
-from privlm.cape.service.extraction import AnswerExtractor
-from privlm.cape.service.guardrail import (
+from privlm.chat.extraction import AnswerExtractor
+from privlm.chat.service.audit import AuditLog
+from privlm.chat.service.completions import ChatOptions, chat_router, closing_upstream
+from privlm.chat.service.guardrail import (
     GUARDRAIL_DEADLINE,
     GUARDRAIL_MAX_IN_FLIGHT,
     REFUSAL_ANSWERS,
@@ -36,14 +37,13 @@ from privlm.cape.service.guardrail import (
     guardrail_lanes,
     guardrail_router,
 )
-from privlm.cape.service.memory import ConversationMemory
-from privlm.cape.service.privacy import PromptPrivacy
+from privlm.chat.service.memory import ConversationMemory
+from privlm.chat.service.privacy import PromptPrivacy
+from privlm.chat.service.upstream import ChatUpstream
 from privlm.detect.service import DetectorSource, detect_router
 from privlm.models.language import LanguageModel
 from privlm.models.text_mechanisms import text_mechanism
 from privlm.service import BearerKeys, ModelEntry, ServiceOptions, catalog_router, create_service_app
-from privlm.service.audit import AuditLog
-from privlm.service.upstream import ChatUpstream
 from privlm.snd.service.client import Client
 from privlm.snd.service.gateway import MAX_REQUEST_TOKENS, embeddings_routes
 
@@ -69,7 +69,7 @@ class ChatSetup:
     options: ChatOptions = field(default_factory=ChatOptions)
     audit: AuditLog | None = None
     extractor: AnswerExtractor | None = None
-    memory: ConversationMemory | None = None  # conversation memory (privlm.cape.service.memory); None: none
+    memory: ConversationMemory | None = None  # conversation memory (privlm.chat.service.memory); None: none
     guardrail: bool = False  # it charges ids its caller names: mount it only where LiteLLM alone holds a key
     guardrail_charge: ChargeTo = "key-and-end-user"
     guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT  # the guardrail route's own places (LiteLLM's burst)

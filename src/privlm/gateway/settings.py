@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from privlm.cape.calibration import LogitBound
-    from privlm.cape.service.memory import ConversationMemory
+    from privlm.chat.service.memory import ConversationMemory
     from privlm.gateway.app import ChatSetup, EmbeddingsSetup
     from privlm.models.language import LanguageModel
     from privlm.models.text_mechanisms import TextMechanism
@@ -213,8 +213,8 @@ class ChatSettings:
     max_upstream_answer_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
-        from privlm.cape.service.guardrail import CHARGE_TO
-        from privlm.cape.service.messages import MESSAGE_NAMES
+        from privlm.chat.service.guardrail import CHARGE_TO
+        from privlm.chat.service.messages import MESSAGE_NAMES
         from privlm.models.text_mechanisms import check_epsilon
 
         if self.epsilon is None:
@@ -453,12 +453,12 @@ def _embeddings_setup(settings: EmbeddingsSettings, *, shared: str) -> tuple[Emb
 
 def _chat_setup(settings: ChatSettings, *, device: str, shared: str) -> tuple[ChatSetup, list[str]]:
     from privlm.cape import LogitBound
-    from privlm.cape.service.chat import ChatOptions
-    from privlm.cape.service.guardrail import CHARGE_TO, GUARDRAIL_DEADLINE, GUARDRAIL_MAX_IN_FLIGHT
-    from privlm.cape.service.messages import MESSAGE_NAMES
+    from privlm.chat.service.audit import AuditLog
+    from privlm.chat.service.completions import ChatOptions
+    from privlm.chat.service.guardrail import CHARGE_TO, GUARDRAIL_DEADLINE, GUARDRAIL_MAX_IN_FLIGHT
+    from privlm.chat.service.messages import MESSAGE_NAMES
+    from privlm.chat.service.upstream import ChatUpstream
     from privlm.gateway.app import ChatSetup, mechanism_privacy
-    from privlm.service.audit import AuditLog
-    from privlm.service.upstream import ChatUpstream
 
     assert settings.epsilon is not None  # checked when made
     chosen = settings.text_mechanism()
@@ -492,7 +492,7 @@ def _chat_setup(settings: ChatSettings, *, device: str, shared: str) -> tuple[Ch
         f"Chat budget: {settings.budget:g} {privacy.unit} per API key{shared}, ledger {shown}"]
     extractor = None
     if settings.extract_model is not None:
-        from privlm.cape.service.extraction import AnswerExtractor
+        from privlm.chat.extraction import AnswerExtractor
         from privlm.models.chat import ChatModel
 
         extractor = AnswerExtractor(ChatModel.from_pretrained(settings.extract_model, device=device))
@@ -537,7 +537,7 @@ def conversation_memory(where: str, *, days: float, max_entries: int, ledger: st
     """--chat-memory: auto (beside the ledger, :func:`memory_beside`; else this process only), process, off, or a
     location; on a database server, named under ``secret`` (the ledger's: :func:`secret_for`). ``max_entries`` and
     ``max_mib``: each principal's bounds."""
-    from privlm.cape.service.memory import ConversationMemory
+    from privlm.chat.service.memory import ConversationMemory
 
     _positive(days, "--chat-memory-days")
     if where == "off":
@@ -554,7 +554,7 @@ def conversation_memory(where: str, *, days: float, max_entries: int, ledger: st
 
 async def upstream_models(url: str, key_env: str) -> list[str]:
     """The upstream's model list, asked once at start (on a client of its own: the event loop ends here)."""
-    from privlm.service.upstream import ChatUpstream
+    from privlm.chat.service.upstream import ChatUpstream
 
     probe = ChatUpstream(url, api_key=os.environ.get(key_env) or None)
     try:

@@ -41,12 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
 from privlm._validation import check_positive_int
-from privlm.mechanisms import make_generator
-from privlm.models.chat import ChatModel, ChatRequestError, ContextLengthError, Generation
-from privlm.service.app import ServiceOptions, create_service_app
-from privlm.service.auth import BearerKeys
-from privlm.service.catalog import ModelEntry, catalog_router, check_model
-from privlm.service.chat import (
+from privlm.chat.wire import (
     SSE_DONE,
     SSE_EVENT_SCHEMA,
     AssistantMessage,
@@ -64,6 +59,11 @@ from privlm.service.chat import (
     now,
     sse_event,
 )
+from privlm.mechanisms import make_generator
+from privlm.models.chat import ChatModel, ChatRequestError, ContextLengthError, Generation
+from privlm.service.app import ServiceOptions, create_service_app
+from privlm.service.auth import BearerKeys
+from privlm.service.catalog import ModelEntry, catalog_router, check_model
 from privlm.service.disclosure import public_model_name
 from privlm.service.errors import ServiceError
 from privlm.service.scheduling import FairScheduler

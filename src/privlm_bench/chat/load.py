@@ -11,7 +11,7 @@ Every party runs in its own process on localhost, so that the clients' load shar
 
 The floor (:func:`measure_floor`): the device model's own throughput through the gateway's mechanism, measured
 in this process before the gateways start: batches of :data:`FLOOR_BATCH` one-prompt requests, each batch one
-call of :meth:`~privlm.cape.service.privacy.PromptPrivacy.privatize_many` (what the gateway runs per batch), and
+call of :meth:`~privlm.chat.service.privacy.PromptPrivacy.privatize_many` (what the gateway runs per batch), and
 the same prompts one request at a time. The gateway's throughput at :data:`FLOOR_BATCH` clients against the stub,
 over the floor, is how much of the device model's batched throughput the gateway keeps.
 
@@ -52,14 +52,8 @@ from fastapi.responses import Response, StreamingResponse
 from rich.console import Console
 
 from privlm._validation import check_positive_finite, check_positive_int
-from privlm.cape.service.privacy import PrivacyRequest, PromptPrivacy
-from privlm.mechanisms import make_generator
-from privlm.models.language import LanguageModel
-from privlm.provenance import provenance
-from privlm.service import BearerKeys, create_service_app, run_service
-from privlm.service.auth import KEY_ENV_VARS
-from privlm.service.catalog import ModelEntry, catalog_router
-from privlm.service.chat import (
+from privlm.chat.service.privacy import PrivacyRequest, PromptPrivacy
+from privlm.chat.wire import (
     SSE_DONE,
     AssistantMessage,
     ChatCompletion,
@@ -71,6 +65,12 @@ from privlm.service.chat import (
     Usage,
     sse_event,
 )
+from privlm.mechanisms import make_generator
+from privlm.models.language import LanguageModel
+from privlm.provenance import provenance
+from privlm.service import BearerKeys, create_service_app, run_service
+from privlm.service.auth import KEY_ENV_VARS
+from privlm.service.catalog import ModelEntry, catalog_router
 from privlm.service.process import free_port, start_privlm, stop
 
 Mode = Literal["non-streaming", "streaming"]

@@ -71,8 +71,8 @@ import privlm.baselines
 import privlm.cape  # noqa: F401 (the registry's mechanisms)
 from privlm.attacks import llm_reconstruction
 from privlm.cape import Cape, PublicContextCape
-from privlm.cape.service.extraction import AnswerExtractor
 from privlm.cape.utility import wrapping
+from privlm.chat.extraction import AnswerExtractor
 from privlm.mechanisms import make_generator
 from privlm.models.chat import ChatModel
 from privlm.models.language import LanguageModel
