@@ -42,6 +42,7 @@ from privlm.mechanisms import (
     project_to_vocabulary,
 )
 from privlm.models import SplitModel
+from privlm.models.perturbation import Accounting
 from privlm.plugins import BENCH_MISSING, bench_installed
 from privlm.service.process import free_port, launch_privlm, stop, wait_healthy
 
@@ -122,10 +123,10 @@ def cape_section(console: Console, generator: torch.Generator) -> None:
                       str(token.non_empty_buckets) if perturbed else "-")
     console.print(table)
     console.print(f"sent to the chat API: {result.text!r}")
-    console.print(f"spent for this prompt: {report.accounting['privlm']:.1f} (privlm's sound bound: eps + ln N_b + "
-                  f"ln |C| per perturbed token, composed over the {report.n_perturbed} perturbed tokens because each "
-                  f"one's context holds the others); the paper's accounting (eps + eps' per token) would say "
-                  f"{report.accounting['paper']:.1f}. See docs/cape.md.\n")
+    console.print(f"spent for this prompt: {report.accounting[Accounting.PRIVLM]:.1f} (privlm's sound bound: "
+                  f"eps + ln N_b + ln |C| per perturbed token, composed over the {report.n_perturbed} perturbed tokens "
+                  f"because each one's context holds the others); the paper's accounting (eps + eps' per token) would "
+                  f"say {report.accounting[Accounting.PAPER]:.1f}. See docs/cape.md.\n")
 
 
 @dataclass

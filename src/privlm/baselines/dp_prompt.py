@@ -31,6 +31,7 @@ from privlm.models.chat import ChatModel
 from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
+    Accounting,
     PerturbedPrompt,
     PromptReport,
     TokenOutcome,
@@ -43,7 +44,7 @@ from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
 
 INSTRUCTION = "Paraphrase the following text. Answer with the paraphrase only.\n\n"
-PRIVLM, TRANSCRIPT = "privlm", "transcript"
+PRIVLM, TRANSCRIPT = Accounting.PRIVLM, Accounting.TRANSCRIPT
 GUARANTEE = ("privlm: the 'privlm' total is an epsilon-DP bound for this release against any prompt of the same "
              "token count (document level: every generated token reads the whole prompt), composed over the most "
              "tokens the paraphrase may have; 'transcript' is the loss of the tokens actually generated")

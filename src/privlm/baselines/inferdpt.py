@@ -89,6 +89,7 @@ from privlm.baselines.santext import check_token_ids, distance_rows, draws_shape
 from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.mechanisms import OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import resolve_generator
+from privlm.models.perturbation import Accounting
 from privlm.models.vocabulary import CandidateVocabulary
 
 FINE_GRID = 2**16  # points of the numerical law of r^2
@@ -490,4 +491,4 @@ class InferDPT(TokenLevelBaseline):
         return self.mechanism.per_token_bound
 
     def accounting(self, n_perturbed: int) -> dict[str, float]:
-        return {"paper": self.epsilon * n_perturbed, "privlm": self.per_token_cost() * n_perturbed}
+        return {Accounting.PAPER: self.epsilon * n_perturbed, Accounting.PRIVLM: self.per_token_cost() * n_perturbed}

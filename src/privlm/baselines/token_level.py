@@ -21,6 +21,7 @@ from privlm.models import check_texts
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
     NOTHING_SPENT,
+    Accounting,
     PerturbedPrompt,
     PromptReport,
     TokenOutcome,
@@ -78,7 +79,7 @@ class TokenLevelBaseline:
     def accounting(self, n_perturbed: int) -> dict[str, float]:
         """Per-prompt totals: the paper's and privlm's (equal unless a subclass says otherwise)."""
         total = self.per_token_cost() * n_perturbed
-        return {"paper": total, "privlm": total}
+        return {Accounting.PAPER: total, Accounting.PRIVLM: total}
 
     # --- the driver ----------------------------------------------------------------------------
     def perturb(self, text: str) -> PerturbedPrompt:
@@ -92,7 +93,8 @@ class TokenLevelBaseline:
         # The charge depends only on which tokens may go through the mechanism (a public, fixed rule),
         # never on a draw: a mechanism's own coins (SANTEXT+'s keep-or-resample) come after it.
         accountings = [self.accounting(len(self._chargeable(prompt))) for prompt in prompts]
-        totals = [a["privlm"] if self._chargeable(p) else 0.0 for a, p in zip(accountings, prompts, strict=True)]
+        totals = [a[Accounting.PRIVLM] if self._chargeable(p) else 0.0
+                  for a, p in zip(accountings, prompts, strict=True)]
         spent = charge_prompts(self.ledger, self.principal, self.unit, totals, note=self.name)
         return [self._perturb_one(prompt, accounting, charged)
                 for prompt, accounting, charged in zip(prompts, accountings, spent, strict=True)]

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from privlm.mechanisms import BucketizedExponentialMechanism, ExponentialMechanism
+from privlm.models.perturbation import Accounting
 from privlm.models.prompts import PromptTokens
 
-PAPER = "paper"
-PRIVLM = "privlm"
+PAPER, PRIVLM = Accounting.PAPER, Accounting.PRIVLM
 
 GUARANTEE = ("privlm: the 'privlm' total is an epsilon-DP bound for this release against any neighbouring prompt "
              "(same token count, same non-sensitive tokens in the same places; both are revealed), composed over "

@@ -54,6 +54,7 @@ from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import (
     NOTHING_SPENT,
+    Accounting,
     PerturbedPrompt,
     PromptReport,
     TokenOutcome,
@@ -66,7 +67,7 @@ from privlm.models.prompts import NonSensitiveTokens, PromptTokens, tokenize_pro
 from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
 
-PRIVLM = "privlm"
+PRIVLM = Accounting.PRIVLM
 PLACEHOLDERS = (" ___", " _", "_")  # a blank, in the order tried when no placeholder is given
 GUARANTEE = ("privlm: the 'privlm' total is an epsilon-DP bound for this release against any neighbouring prompt "
              "(same token count, same non-sensitive tokens in the same places; both are revealed): each perturbed "

@@ -19,6 +19,14 @@ from privlm.models.prompts import PromptTokens
 from privlm.models.vocabulary import CandidateVocabulary
 
 
+class Accounting(StrEnum):
+    """The accountings a report prices its release under (its ``accounting`` keys)."""
+
+    PRIVLM = "privlm"  # sound: what the ledger is charged, an epsilon-DP bound under the report's guarantee
+    PAPER = "paper"  # the published method's own total, where it has one (Cape: eps + eps' per token)
+    TRANSCRIPT = "transcript"  # DP-Prompt: what the tokens actually generated cost, at most the privlm total
+
+
 class TokenOutcome(StrEnum):
     """What happened to one token."""
 
@@ -56,7 +64,7 @@ class PromptReport:
     mechanism: str
     tokens: tuple[TokenRecord, ...]
     candidate_set_size: int
-    accounting: Mapping[str, float]  # per-prompt totals, by accounting ("paper", "privlm", ...)
+    accounting: Mapping[str, float]  # per-prompt totals, by accounting (:class:`Accounting`)
     guarantee: str  # the neighbouring relation and the meaning of the privlm total, in one sentence
     chunks: int = 1
     uncovered: tuple[tuple[int, int], ...] = ()  # character spans no token covers (not released)

@@ -62,6 +62,7 @@ from privlm.chat.wire import (
     now,
     sse_event,
 )
+from privlm.models.perturbation import Accounting
 from privlm.service import BearerKeys, ModelEntry, ServiceError, ServiceOptions, catalog_router
 from privlm.service import create_service_app as _create_service_app
 from privlm.service.errors import ledger_unavailable
@@ -192,7 +193,7 @@ def privacy_report(result: PrivateTexts, slots: Sequence[TextSlot], request_id: 
                       "tokens_perturbed": 0 if report is None else report.n_perturbed,
                       "tokens_changed": 0 if report is None else report.n_changed,
                       "tokens_unchanged": 0 if report is None else report.n_unchanged,
-                      "epsilon_spent": 0.0 if report is None else report.accounting.get("privlm", 0.0)})
+                      "epsilon_spent": 0.0 if report is None else report.accounting.get(Accounting.PRIVLM, 0.0)})
     return {"request_id": request_id, "mechanism": result.mechanism, "epsilon": result.epsilon,
             "epsilon_spent": result.spent, "epsilon_paper": result.paper_total, "unit": str(result.unit),
             "tokens": result.tokens, "tokens_perturbed": result.tokens_perturbed,

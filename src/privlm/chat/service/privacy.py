@@ -37,7 +37,7 @@ from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError, Le
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models.device import resolve_device
 from privlm.models.language import LanguageModel
-from privlm.models.perturbation import PerturbedPrompt, PromptReport, SharedPreparation, TextPerturber
+from privlm.models.perturbation import Accounting, PerturbedPrompt, PromptReport, SharedPreparation, TextPerturber
 from privlm.models.text_mechanisms import CalibratedBound, MechanismContext, check_epsilon, text_mechanism
 from privlm.service import ServiceError
 from privlm.service.batching import Batcher
@@ -45,8 +45,7 @@ from privlm.service.batching import Batcher
 PerturberFactory = Callable[[float, torch.Generator, Ledger | None, str], TextPerturber]
 """``(epsilon, generator, ledger, principal)`` -> a fresh perturber that charges ``ledger`` under ``principal``."""
 
-PRIVLM = "privlm"  # the sound accounting's key in a report
-PAPER = "paper"
+PRIVLM, PAPER = Accounting.PRIVLM, Accounting.PAPER  # the sound accounting's key in a report, the paper's
 MAX_PROMPT_TOKENS = 8192
 BATCH_TEXTS = 16  # texts per shared batch: Cape's own batch, one forward pass
 BATCH_WAIT_MS = 100.0  # the longest a batch waits for the requests it expects (service.batching)
