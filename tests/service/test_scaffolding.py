@@ -310,3 +310,14 @@ def test_an_exhausted_budget_is_final_for_clients(url):
     with httpx.Client(base_url=url, headers=_auth()) as http, pytest.raises(ValueError, match=r"\(429\)"):
         policy.call(lambda: http.get("/fail/budget"))
     assert policy.failed_attempts == 0
+
+
+def test_the_fair_caller_is_the_key_s_principal_or_on_an_open_service_each_request() -> None:
+    from privlm.service import BearerKeys
+
+    keyed = BearerKeys(["k-one-two-three"])
+    principal = keyed.principal("k-one-two-three")
+    assert keyed.fair_caller(principal) == principal
+    open_service = BearerKeys(())
+    first, second = (open_service.fair_caller(open_service.principal("")) for _ in range(2))
+    assert first != second and first.startswith("request-") and second.startswith("request-")

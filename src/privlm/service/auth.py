@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import stat
+import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -68,6 +69,11 @@ class BearerKeys:
     @property
     def open(self) -> bool:
         return not self._digests
+
+    def fair_caller(self, principal: str) -> str:
+        """Who takes turns in a shared batch (:class:`~privlm.service.Batcher`): the key's principal, or, on an open
+        service (no keys, one principal for all), each request on its own, so that no client crowds out another."""
+        return principal if not self.open else f"request-{uuid.uuid4()}"
 
     def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
                  api_key: Annotated[str | None, Depends(_api_key_header)] = None) -> str:

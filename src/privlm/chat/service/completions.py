@@ -337,7 +337,7 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
                                   perturb_assistant=perturb_assistant, non_text_parts=options.non_text_parts,
                                   message_names=options.message_names,
                                   perturb_tool_results=options.perturb_tool_results)
-        caller = principal if not auth.open else f"request-{uuid.uuid4()}"
+        caller = auth.fair_caller(principal)
 
         async def perturb(texts: list[str]) -> PrivateTexts:
             return await perturbing.privatize(texts, principal=principal, epsilon=epsilon, caller=caller)
@@ -421,15 +421,7 @@ def _request_epsilon(privacy: PromptPrivacy, request: PrivateChatRequest, header
     (each checked; an absent one counts as the gateway's own), so that none can raise another: a header repeated,
     or a list in one header (a proxy appending its cap), gives its smallest value."""
     body = request.privlm.epsilon if request.privlm else None
-    asks = [privacy.resolve_epsilon(body, param="privlm.epsilon")]
-    for value in (item for header in headers for item in header.split(",")):
-        try:
-            number = float(value)
-        except ValueError:
-            raise ServiceError(400, "the x-privlm-epsilon header must be a number (or numbers, the smallest "
-                                    "counting)", param="x-privlm-epsilon", code="invalid_epsilon") from None
-        asks.append(privacy.resolve_epsilon(number, param="x-privlm-epsilon"))
-    return min(asks)
+    return privacy.lowest_epsilon([(body, "privlm.epsilon")], [(header, "x-privlm-epsilon") for header in headers])
 
 
 def _audit_upstream(audit: AuditLog | None, call: _Call, status: int, code: str | None = None) -> None:

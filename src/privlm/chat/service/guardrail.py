@@ -244,19 +244,16 @@ def _epsilon(request: GuardrailRequest, privacy: PromptPrivacy) -> float:
     so that none can raise another: a header repeated and joined into one value (``"6, 1"``, as HTTP allows: a proxy
     appending its cap) gives its smallest, as on the chat route. A header LiteLLM forwarded as ``[present]`` only is
     blocked: the client asked for an epsilon it would not get."""
-    asks: list[tuple[Any, str]] = [((request.additional_provider_specific_params or {}).get("epsilon"), EPSILON_PARAM)]
+    headers: list[tuple[str, str]] = []
     for name, value in (request.request_headers or {}).items():
         if name.lower() != EPSILON_HEADER:
             continue
-        param = f"request_headers.{EPSILON_HEADER}"
         if value == LITELLM_HIDDEN_VALUE:
             raise _BlockedError(f"privlm: the client sent {EPSILON_HEADER}, but LiteLLM forwarded only that it was "
                                 f"there; add {EPSILON_HEADER} to the guardrail's extra_headers")
-        try:
-            asks.extend((float(item), param) for item in value.split(","))
-        except ValueError:
-            raise _BlockedError(f"privlm: {param} must be a number (or numbers, the smallest counting)") from None
-    return min(privacy.resolve_epsilon(value, param=param) for value, param in asks)
+        headers.append((value, f"request_headers.{EPSILON_HEADER}"))
+    configured = (request.additional_provider_specific_params or {}).get("epsilon")
+    return privacy.lowest_epsilon([(configured, EPSILON_PARAM)], headers)
 
 
 def _texts(request: GuardrailRequest, images: ImagePolicy) -> list[str]:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -181,6 +182,22 @@ class PromptPrivacy:
             raise ServiceError(400, f"{param} may lower epsilon, never raise it: this gateway allows at most "
                                     f"{self.epsilon:g} per token", param=param, code="epsilon_above_limit")
         return float(requested)
+
+    def lowest_epsilon(self, asks: Iterable[tuple[Any, str]] = (), headers: Iterable[tuple[str, str]] = ()
+                       ) -> float:
+        """The epsilon of a request that asks in several places: the smallest of what it asks, each ``(value,
+        param)`` checked by :meth:`resolve_epsilon` (None: the configured epsilon), so that no ask can raise
+        another. A header's value holds numbers joined by commas, as HTTP joins a repeated header."""
+        chosen = [self.resolve_epsilon(value, param=param) for value, param in asks]
+        for value, param in headers:
+            for item in value.split(","):
+                try:
+                    number = float(item)
+                except ValueError:
+                    raise ServiceError(400, f"{param} must be a number (or numbers, the smallest counting)",
+                                       param=param, code="invalid_epsilon") from None
+                chosen.append(self.resolve_epsilon(number, param=param))
+        return min(chosen, default=self.epsilon)
 
     def check_lengths(self, texts: Sequence[str], *, param: str = "messages") -> None:
         """Refuse (400 ``context_length_exceeded``) texts over ``max_prompt_tokens`` in all, before any work."""

@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
@@ -187,7 +186,7 @@ def detect_router(detector: DetectorSource, *, auth: BearerKeys, max_inputs: int
     async def detect(request: DetectRequest, principal: str = Depends(auth.dependency)) -> Response:
         """Which personal details the local detector finds in each text. Nothing leaves the machine and nothing is
         charged."""
-        return await route.detect(request, caller=principal if not auth.open else f"request-{uuid.uuid4()}")
+        return await route.detect(request, caller=auth.fair_caller(principal))
 
     router = APIRouter(tags=["detect"])
     router.post(DETECT_PATH, response_class=JSONResponse, summary="Find personal details, locally (nothing is sent "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal, Unpack
@@ -243,7 +242,7 @@ def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 204
         if request.dimensions is not None and request.dimensions != client.model.hidden_size:
             raise ServiceError(400, f"dimensions must be {client.model.hidden_size} for this model",
                                param="dimensions")
-        caller = principal if not auth.open else f"request-{uuid.uuid4()}"  # open: fair between requests
+        caller = auth.fair_caller(principal)
         tokens = await tokenize(texts, caller)
         encoded = await encode(tokens, caller, principal)
         content = await asyncio.to_thread(_render, model_id, encoded, request.encoding_format)
