@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from privlm.sap.model import VendorModel
 from privlm.sap.service.server import create_vendor_app
 from privlm.service.auth import KEY_ENV_VARS
 from privlm.service.process import free_port, stop
@@ -72,7 +73,8 @@ def _stub(status: int) -> FastAPI:
 def test_finding_7_a_customer_the_vendor_refuses_gets_one_line_and_exit_status_1(vendor_model, labelled, tmp_path,
                                                                                key):
     env = {} if key is None else {CUSTOMER_KEY_ENV: key}
-    with serving(create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)) as url:
+    vendor = create_vendor_app(VendorModel.load(str(vendor_model)), store=tmp_path / "store", api_keys=KEYS)
+    with serving(vendor) as url:
         result = _privlm(["sap", "customer", url, "--data", str(labelled), "--epochs", "1"], tmp_path, **env)
     _one_line_error(result, "401")
 

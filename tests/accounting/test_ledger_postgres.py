@@ -15,9 +15,9 @@ from privlm.accounting import (
     joint_principal,
 )
 from privlm.accounting.database import close_pools, redacted
+from privlm.accounting.postgres_server import PostgresMissingError, PostgresServer, server_programs
 from privlm.cli import app
 from privlm.mechanisms import PrivacyUnit, Spend
-from privlm_bench.harness.postgres import PostgresMissingError, PostgresServer, server_programs
 
 EPS = PrivacyUnit.EPSILON
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from scipy import stats
 
-from privlm.attacks import attribute_inference, pool_representations
+from privlm.attacks import AttributeInferenceConfig, attribute_inference, pool_representations
 from tests.conftest import P_THRESHOLD
 
 
@@ -17,7 +17,7 @@ def test_representation_that_encodes_the_label_is_fully_attacked(classifier):
     y = rng.integers(0, 2, 600)
     x = rng.normal(0, 1, (600, 8))
     x[:, 0] += 4 * (2 * y - 1)  # the label sits in one coordinate
-    result = attribute_inference(*_split(x, y, 400), classifier=classifier, seed=1)
+    result = attribute_inference(*_split(x, y, 400), seed=1, config=AttributeInferenceConfig(classifier=classifier))
     assert result.trials == 200
     assert result.rate > 0.9
     assert result.details["auc"] > 0.98
@@ -70,8 +70,9 @@ def test_results_are_reproducible_with_a_seed():
     rng = np.random.default_rng(3)
     x, y = rng.normal(0, 1, (300, 5)), rng.integers(0, 2, 300)
     x[:, 1] += y
-    first = attribute_inference(*_split(x, y, 200), classifier="mlp", seed=5)
-    second = attribute_inference(*_split(x, y, 200), classifier="mlp", seed=5)
+    mlp = AttributeInferenceConfig(classifier="mlp")
+    first = attribute_inference(*_split(x, y, 200), seed=5, config=mlp)
+    second = attribute_inference(*_split(x, y, 200), seed=5, config=mlp)
     assert (first.successes, first.details["auc"]) == (second.successes, second.details["auc"])
 
 
@@ -82,7 +83,7 @@ def test_auc_is_none_when_the_test_split_has_one_class():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"classifier": "svm"}, "classifier"),
+    ({"config": AttributeInferenceConfig(classifier="svm")}, "classifier"),
     ({"test_x": np.zeros((10, 4))}, "test_x"),
     ({"train_y": np.zeros(9)}, "train_y"),
     ({"train_y": np.zeros(20)}, "train_y"),
@@ -91,7 +92,7 @@ def test_auc_is_none_when_the_test_split_has_one_class():
     ({"train_x": np.zeros(20)}, "train_x"),
     ({"train_mask": np.ones((20, 3))}, "train_x"),
     ({"seed": -1}, "seed"),
-    ({"hidden_size": 0}, "hidden_size"),
+    ({"config": AttributeInferenceConfig(hidden_size=0)}, "hidden_size"),
 ])
 def test_bad_inputs_are_rejected_by_name(kwargs, match):
     rng = np.random.default_rng(0)

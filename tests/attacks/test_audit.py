@@ -6,6 +6,7 @@ import torch
 from scipy import stats
 
 from privlm.attacks.audit import (
+    AuditConfig,
     AuditResult,
     audit_mechanism,
     audit_samples,
@@ -25,6 +26,7 @@ from tests.conftest import P_THRESHOLD
 # assertion fails with probability <= 1e-6 (the project's threshold). The default alpha = 0.05 is
 # checked by its own coverage test.
 STRICT = P_THRESHOLD
+STRICT_AUDIT = AuditConfig(alpha=STRICT)
 
 
 def _pair(d: int, distance: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +61,7 @@ def test_dchi_lower_bound_stays_below_eta_distance(d, n_samples, power, eta_dist
     """Sound (below eta ||x - x'||) and not vacuous: the optimal test finds most of the loss in 2-D, less in 16-D."""
     eta = 2.0
     x, x_prime = _pair(d, eta_distance / eta)
-    result = audit_mechanism(DChiLaplace(eta=eta), x, x_prime, n_samples=n_samples, alpha=STRICT,
+    result = audit_mechanism(DChiLaplace(eta=eta), x, x_prime, n_samples=n_samples, config=STRICT_AUDIT,
                              generator=make_generator(11))
     assert result.claimed_epsilon == pytest.approx(eta_distance)
     assert result.eps_lower <= result.claimed_epsilon
@@ -75,7 +77,8 @@ def test_exponential_lower_bound_below_exact_below_claim(vocab, eps):
     u = torch.rand(vocab, generator=g, dtype=torch.float64)
     u_prime = u + torch.sign(torch.randn(vocab, generator=g, dtype=torch.float64))  # a corner of the neighbourhood
     mechanism = ExponentialMechanism(epsilon=eps)
-    result = audit_mechanism(mechanism, u, u_prime, n_samples=100_000, alpha=STRICT, generator=make_generator(12))
+    result = audit_mechanism(mechanism, u, u_prime, n_samples=100_000, generator=make_generator(12),
+                             config=STRICT_AUDIT)
     exact = exact_privacy_loss(mechanism.log_probabilities(u), mechanism.log_probabilities(u_prime)).item()
     assert result.exact_epsilon == pytest.approx(exact)
     assert result.eps_lower <= exact <= result.claimed_epsilon + 1e-12
@@ -88,7 +91,8 @@ def test_bucketized_lower_bound_below_exact_below_pair_bound(vocab, n_buckets):
     g = make_generator(vocab)
     u, u_prime = (torch.rand(vocab, generator=g, dtype=torch.float64) for _ in range(2))
     mechanism = BucketizedExponentialMechanism(epsilon=2.0, n_buckets=n_buckets)
-    result = audit_mechanism(mechanism, u, u_prime, n_samples=100_000, alpha=STRICT, generator=make_generator(13))
+    result = audit_mechanism(mechanism, u, u_prime, n_samples=100_000, generator=make_generator(13),
+                             config=STRICT_AUDIT)
     assert result.eps_lower <= result.exact_epsilon <= result.claimed_epsilon + 1e-9
     assert result.eps_lower > 0.5 * result.exact_epsilon
 
@@ -104,9 +108,9 @@ def test_audit_refutes_capes_paper_bound_and_respects_the_sound_one():
     buckets, buckets_prime = mechanism.bucketing(u), mechanism.bucketing(u_prime)
     paper = eps + math.log(max(buckets.largest, buckets_prime.largest).item()
                            / min(buckets.smallest, buckets_prime.smallest).item())
-    sound = audit_mechanism(mechanism, u, u_prime, n_samples=200_000, alpha=STRICT, generator=make_generator(14))
+    sound = audit_mechanism(mechanism, u, u_prime, n_samples=200_000, generator=make_generator(14), config=STRICT_AUDIT)
     assert sound.eps_lower <= sound.exact_epsilon <= sound.claimed_epsilon and not sound.exceeds_claim
-    paper_claim = audit_mechanism(mechanism, u, u_prime, n_samples=200_000, alpha=STRICT, claimed_epsilon=paper,
+    paper_claim = audit_mechanism(mechanism, u, u_prime, n_samples=200_000, claimed_epsilon=paper, config=STRICT_AUDIT,
                                   generator=make_generator(14))
     assert paper_claim.exceeds_claim and paper_claim.eps_lower > paper
     assert paper_claim.event.startswith("y in {0}")
@@ -122,12 +126,12 @@ def test_exponential_mechanism_without_the_factor_two_is_caught():
 
     true_loss = exact_privacy_loss(torch.log_softmax(eps * u, -1), torch.log_softmax(eps * u_prime, -1)).item()
     result = audit_mechanism(broken, u, u_prime, kind="discrete", n_samples=100_000, claimed_epsilon=eps,
-                             alpha=STRICT, generator=make_generator(15))
+                             config=STRICT_AUDIT, generator=make_generator(15))
     assert true_loss > 1.9 * eps
     assert result.exceeds_claim and result.eps_lower > eps + 0.5
     assert result.eps_lower <= true_loss
     # The correct mechanism on the same pair is not flagged.
-    correct = audit_mechanism(ExponentialMechanism(epsilon=eps), u, u_prime, n_samples=100_000, alpha=STRICT,
+    correct = audit_mechanism(ExponentialMechanism(epsilon=eps), u, u_prime, n_samples=100_000, config=STRICT_AUDIT,
                               generator=make_generator(15))
     assert not correct.exceeds_claim and correct.eps_lower <= correct.exact_epsilon <= eps
 
@@ -143,8 +147,8 @@ def test_dchi_with_half_the_noise_is_caught(d, eta_distance, n_samples, alpha):
     eta = 1.0
     x, x_prime = _pair(d, eta_distance / eta)
     broken = _releases_of(DChiLaplace(eta=2 * eta))
-    result = audit_mechanism(broken, x, x_prime, kind="continuous", n_samples=n_samples, alpha=alpha,
-                             claimed_epsilon=eta_distance, generator=make_generator(16))
+    result = audit_mechanism(broken, x, x_prime, kind="continuous", n_samples=n_samples, claimed_epsilon=eta_distance,
+                             generator=make_generator(16), config=AuditConfig(alpha=alpha))
     assert result.exceeds_claim and result.eps_lower > 1.05 * eta_distance
     assert result.eps_lower <= 2 * eta_distance
     assert "||y - x'|| - ||y - x||" in result.event
@@ -218,7 +222,8 @@ def test_seeded_audits_replay_and_unseeded_ones_run():
     first, again = (audit_mechanism(mechanism, x, x_prime, n_samples=5_000, generator=make_generator(22))
                     for _ in range(2))
     assert first == again
-    chunked = audit_mechanism(mechanism, x, x_prime, n_samples=5_000, chunk_size=1_200, generator=make_generator(22))
+    chunked = audit_mechanism(mechanism, x, x_prime, n_samples=5_000, generator=make_generator(22),
+                              config=AuditConfig(chunk_size=1_200))
     assert isinstance(chunked, AuditResult) and chunked.n_samples == 5_000
     unseeded = audit_mechanism(mechanism, x, x_prime, n_samples=5_000)
     assert unseeded.eps_lower <= unseeded.claimed_epsilon
@@ -230,7 +235,8 @@ def test_bad_alpha_is_rejected_by_name(alpha):
     with pytest.raises(ValueError, match="alpha"):
         audit_samples(samples, samples, kind="continuous", alpha=alpha)
     with pytest.raises(ValueError, match="alpha"):
-        audit_mechanism(DChiLaplace(eta=1.0), torch.zeros(2), torch.ones(2), n_samples=200, alpha=alpha)
+        audit_mechanism(DChiLaplace(eta=1.0), torch.zeros(2), torch.ones(2), n_samples=200,
+                        config=AuditConfig(alpha=alpha))
 
 
 @pytest.mark.parametrize("n", [0, 1, 99, -5, 2.5, None])

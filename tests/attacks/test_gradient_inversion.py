@@ -5,6 +5,10 @@ import torch
 import transformers
 
 from privlm.attacks import (
+    GradientInversionConfig,
+    InversionModelConfig,
+    OptimisationInversionConfig,
+    RefinementInputs,
     fit_inversion_model,
     gradient_inversion,
     learned_inversion,
@@ -50,13 +54,14 @@ def test_learned_inversion_at_k2_beats_chance_and_forward_only(tiny_split):
     observed = releases(bottom, private, 16.0, g)
     learned = learned_inversion(observed, attention, model, private)
     forward = optimisation_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, private,
-                                     steps=100, generator=make_generator(2))
+                                     generator=make_generator(2), config=OptimisationInversionConfig(steps=100))
     assert learned.ci_low > 10 * learned.chance
     assert learned.successes > forward.successes
     assert learned.name == "learned-inversion" and learned.details["seconds"] >= 0
     refined = gradient_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, private,
-                                 init_logits=model.log_posterior(observed, attention), steps=50,
-                                 generator=make_generator(3))
+                                 inputs=RefinementInputs(init_logits=model.log_posterior(observed, attention),
+                                                         generator=make_generator(3)),
+                                 config=GradientInversionConfig(steps=50))
     assert refined.details["init"] == "learned" and refined.rate >= learned.rate - 0.1
 
 
@@ -76,7 +81,8 @@ def test_identity_map_at_k0_is_at_least_nearest_neighbour_without_noise(generato
     vocab = torch.randn(V, D, generator=generator)
     public, private = zipf_ids(100, generator), zipf_ids(8, generator)
     ones = torch.ones_like(public)
-    model = fit_inversion_model(vocab[public], ones, public, vocab, linear_map=False, generator=make_generator(6))
+    model = fit_inversion_model(vocab[public], ones, public, vocab, generator=make_generator(6),
+                                config=InversionModelConfig(linear_map=False))
     assert model.weight is None and model.window == 0
     result = learned_inversion(vocab[private], torch.ones_like(private), model, private)
     assert result.rate == nearest_neighbour_inversion(vocab[private], private, vocab).rate == 1.0
@@ -88,12 +94,14 @@ def test_weight_zero_is_the_forward_only_attack(tiny_split, generator):
     attention = torch.ones_like(ids)
     attention[:2, -3:] = 0
     observed = releases(bottom, ids, 8.0, generator)
-    kwargs = {"steps": 15, "batch_size": 4}
     forward = optimisation_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                                     generator=make_generator(7), **kwargs)
+                                     generator=make_generator(7),
+                                     config=OptimisationInversionConfig(steps=15, batch_size=4))
     same = gradient_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                              observed_gradients=torch.ones(6, D), gradient_forward=lambda r, m, i: r.mean(dim=1),
-                              gradient_weight=0.0, generator=make_generator(7), **kwargs)
+                              inputs=RefinementInputs(observed_gradients=torch.ones(6, D),
+                                                      gradient_forward=lambda r, m, i: r.mean(dim=1),
+                                                      generator=make_generator(7)),
+                              config=GradientInversionConfig(steps=15, batch_size=4, gradient_weight=0.0))
     assert (same.successes, same.trials) == (forward.successes, forward.trials)
     assert same.details["with_gradient_term"] is False and same.name == "forward-inversion"
 
@@ -113,9 +121,9 @@ def test_gradient_term_is_used_and_sees_the_example_indices(tiny_split, generato
         clean = bottom(ids, attention)
     far = torch.zeros_like(clean)  # forward rows that say nothing: only the gradient term informs
     result = gradient_inversion(far, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                                observed_gradients=pooled(clean, attention, torch.arange(5)),
-                                gradient_forward=pooled, gradient_weight=1e3, steps=5, batch_size=3,
-                                generator=make_generator(8))
+                                inputs=RefinementInputs(observed_gradients=pooled(clean, attention, torch.arange(5)),
+                                                        gradient_forward=pooled, generator=make_generator(8)),
+                                config=GradientInversionConfig(gradient_weight=1e3, steps=5, batch_size=3))
     assert seen[1:3] == [[0, 1, 2], [0, 1, 2]] and seen[-1] == [3, 4]
     assert result.details["with_gradient_term"] is True and result.name == "gradient-inversion"
 
@@ -140,8 +148,9 @@ def test_the_gradient_term_alone_recovers_the_tokens_when_the_gradient_sees_clea
 
     def attack(weight: float, gradients: torch.Tensor) -> float:
         return gradient_inversion(far, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                                  observed_gradients=gradients, gradient_forward=customer, gradient_weight=weight,
-                                  steps=50, generator=make_generator(12)).rate
+                                  inputs=RefinementInputs(observed_gradients=gradients, gradient_forward=customer,
+                                                          generator=make_generator(12)),
+                                  config=GradientInversionConfig(gradient_weight=weight, steps=50)).rate
 
     without, with_term = attack(0.0, observed["true"]), attack(100.0, observed["true"])
     assert without < 0.1 and with_term > 0.9
@@ -178,8 +187,9 @@ def test_bottom_and_gradient_model_are_left_untouched(tiny_split, generator):
     before = {name: p.detach().clone() for name, p in top.named_parameters()}
     observed = releases(bottom, ids, 8.0, generator)
     gradient_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                       observed_gradients=torch.ones(3, D), gradient_forward=lambda r, m, i: top(r, m),
-                       gradient_weight=1.0, steps=3, generator=make_generator(9))
+                       inputs=RefinementInputs(observed_gradients=torch.ones(3, D),
+                                               gradient_forward=lambda r, m, i: top(r, m), generator=make_generator(9)),
+                       config=GradientInversionConfig(gradient_weight=1.0, steps=3))
     for name, parameter in top.named_parameters():
         assert torch.equal(parameter, before[name]) and parameter.grad is None, name
 
@@ -202,28 +212,37 @@ def test_bottom_and_gradient_model_are_left_untouched(tiny_split, generator):
 def test_bad_inputs_name_the_parameter(generator, change, param):
     vocab = torch.randn(V, D, generator=generator)
     args = {"observed": torch.zeros(2, 4, D), "attention_mask": torch.ones(2, 4, dtype=torch.long),
-            "bottom_forward": lambda w, m: w, "vocabulary": vocab, "true_ids": torch.zeros(2, 4, dtype=torch.long),
-            "observed_gradients": torch.ones(2, D), "gradient_forward": lambda r, m, i: r.mean(dim=1)}
-    args.update(change)
+            "bottom_forward": lambda w, m: w, "vocabulary": vocab, "true_ids": torch.zeros(2, 4, dtype=torch.long)}
+    inputs = {"observed_gradients": torch.ones(2, D), "gradient_forward": lambda r, m, i: r.mean(dim=1)}
+    config = {}
+    for key, value in change.items():
+        if key in args:
+            args[key] = value
+        elif key in ("gradient_weight", "steps"):
+            config[key] = value
+        else:
+            inputs[key] = value
     with pytest.raises(ValueError, match=param):
-        gradient_inversion(**args)
+        gradient_inversion(**args, inputs=RefinementInputs(**inputs), config=GradientInversionConfig(**config))
 
 
 def test_gradient_model_returning_the_wrong_shape_is_refused(generator):
     vocab = torch.randn(V, D, generator=generator)
     with pytest.raises(ValueError, match="gradient_forward"):
         gradient_inversion(torch.zeros(2, 4, D), torch.ones(2, 4, dtype=torch.long), lambda w, m: w, vocab,
-                           torch.zeros(2, 4, dtype=torch.long), observed_gradients=torch.ones(2, D),
-                           gradient_forward=lambda r, m, i: r[:, 0, :3], gradient_weight=1.0, steps=1)
+                           torch.zeros(2, 4, dtype=torch.long),
+                           inputs=RefinementInputs(observed_gradients=torch.ones(2, D),
+                                                   gradient_forward=lambda r, m, i: r[:, 0, :3]),
+                           config=GradientInversionConfig(gradient_weight=1.0, steps=1))
 
 
 @pytest.mark.parametrize(("change", "param"), [
     ({"rows": torch.zeros(4, L, D + 1)}, "rows"),
     ({"true_ids": torch.full((4, L), V)}, "true_ids"),
     ({"attention_mask": torch.ones(4, L + 1)}, "attention_mask"),
-    ({"window": -1}, "window"),
-    ({"ridge": 0.0}, "ridge"),
-    ({"smoothing": float("inf")}, "smoothing"),
+    ({"config": InversionModelConfig(window=-1)}, "window"),
+    ({"config": InversionModelConfig(ridge=0.0)}, "ridge"),
+    ({"config": InversionModelConfig(smoothing=float("inf"))}, "smoothing"),
     ({"rows": torch.zeros(1, 2, D), "true_ids": torch.zeros(1, 2, dtype=torch.long),
       "attention_mask": torch.ones(1, 2)}, "positions"),
 ])

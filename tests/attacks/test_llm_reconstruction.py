@@ -4,12 +4,14 @@ candidate, and on SmolLM2 it restores text that was left as it is and names the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
 
 from privlm.attacks import (
     REWRITE_INSTRUCTION,
+    LLMReconstructionConfig,
     chat_rewriter,
     fit_released_log_odds,
     llm_reconstruction,
@@ -25,7 +27,7 @@ def test_the_ranking_is_the_whole_sequence_log_likelihood_and_keeps_the_released
     lm = tiny_causal_lm()
     sequence = lm.tokenizer("the cat sat on the mat w5 w6", add_special_tokens=False)["input_ids"]
     ids, scores = rank_candidates(lm.model, sequence, [1, 6], start_id=2, excluded=frozenset({0, 1, 2, 3, 4}),
-                                  shortlist=8)
+                                  config=LLMReconstructionConfig(shortlist=8))
     assert ids.shape == scores.shape == (2, 8)
     assert (scores[:, :-1] >= scores[:, 1:]).all()  # best first
     for row, i in enumerate([1, 6]):
@@ -60,20 +62,23 @@ def test_knowing_the_mechanism_beats_the_lm_alone_when_the_release_keeps_most_to
     generator = torch.Generator().manual_seed(0)
     texts = [torch.randint(5, vocab, (12,), generator=generator).tolist() for _ in range(16)]
     own, own_positions = _keep_mostly(texts[:8], 0.8, vocab, seed=1)
-    kwargs = {"start_id": 2, "excluded": frozenset({0, 1, 2, 3, 4}), "shortlist": 8}
-    b = fit_released_log_odds(texts[:8], own, own_positions, lm.model, **kwargs)
+    kwargs = {"start_id": 2, "excluded": frozenset({0, 1, 2, 3, 4})}
+    config = LLMReconstructionConfig(shortlist=8, top=1)
+    b = fit_released_log_odds(texts[:8], own, own_positions, lm.model, **kwargs, config=config)
     assert b > 0
     fresh, positions = _keep_mostly(texts[8:], 0.8, vocab, seed=2)
-    aware = llm_reconstruction(texts[8:], fresh, positions, lm.model, top=1, released_log_odds=b, **kwargs)
-    alone = llm_reconstruction(texts[8:], fresh, positions, lm.model, top=1, **kwargs)
+    aware = llm_reconstruction(texts[8:], fresh, positions, lm.model, **kwargs,
+                               config=replace(config, released_log_odds=b))
+    alone = llm_reconstruction(texts[8:], fresh, positions, lm.model, **kwargs, config=config)
     kept = sum(r == t for f, x in zip(fresh, texts[8:], strict=True) for r, t in zip(f, x, strict=True))
     assert aware.top1.name == "llm-reconstruction-aware-top1" and alone.top1.name == "llm-reconstruction-top1"
     assert aware.top1.successes >= kept  # at least the retention
     assert aware.top1.ci_low > alone.top1.ci_high
-    reading = llm_reconstruction(texts[8:], fresh, positions, lm.model, top=1, released_log_odds=1e4, **kwargs)
+    reading = llm_reconstruction(texts[8:], fresh, positions, lm.model, **kwargs,
+                                 config=replace(config, released_log_odds=1e4))
     assert reading.top1.successes == kept  # b = +inf reads the release as it is
     with pytest.raises(ValueError, match="grid"):
-        fit_released_log_odds(texts[:1], own[:1], own_positions[:1], lm.model, grid=(), **kwargs)
+        fit_released_log_odds(texts[:1], own[:1], own_positions[:1], lm.model, grid=(), **kwargs, config=config)
 
 
 def _whole_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -91,8 +96,9 @@ def test_the_scores_reusing_the_prefix_cache_equal_whole_rows_scored_from_scratc
     model = tiny_causal_lm().model if family == "llama" else tiny_model("gpt2")
     sequence, positions, special = [5, 6, 7, 8, 5, 9, 40, 41], [0, 1, 4, 6, 7], frozenset({0, 1, 2, 3, 4})
     for include_released, max_batch_tokens in [(True, 4096), (True, 1), (False, 4096)]:
-        ids, scores = rank_candidates(model, sequence, positions, start_id=2, excluded=special, shortlist=6,
-                                      include_released=include_released, max_batch_tokens=max_batch_tokens)
+        ids, scores = rank_candidates(model, sequence, positions, start_id=2, excluded=special,
+                                      include_released=include_released,
+                                      config=LLMReconstructionConfig(shortlist=6, max_batch_tokens=max_batch_tokens))
         assert ids.shape == scores.shape == (len(positions), 6)
         rows = torch.tensor([2, *sequence]).repeat(ids.numel(), 1)
         rows[torch.arange(ids.numel()), torch.tensor(positions).repeat_interleave(6) + 1] = ids.reshape(-1)
@@ -104,7 +110,8 @@ def test_the_scores_reusing_the_prefix_cache_equal_whole_rows_scored_from_scratc
 def test_refusals():
     lm = tiny_causal_lm()
     with pytest.raises(ValueError, match="top"):
-        llm_reconstruction([[5, 6]], [[5, 6]], [[1]], lm.model, start_id=2, shortlist=4, top=10)
+        llm_reconstruction([[5, 6]], [[5, 6]], [[1]], lm.model, start_id=2,
+                           config=LLMReconstructionConfig(shortlist=4, top=10))
     with pytest.raises(ValueError, match="tokens"):
         llm_reconstruction([[5, 6]], [[5]], [[0]], lm.model, start_id=2)
 
@@ -115,7 +122,8 @@ def test_on_smollm2_text_left_as_it_is_is_restored_and_context_names_the_missing
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     city = next(i for i, t in enumerate(ids) if tokenizer.decode([t]).strip() == "Paris")
     attacked = [1, 3, city, len(ids) - 2]  # capital, France, Paris, Rome
-    common = {"start_id": tokenizer.bos_token_id, "excluded": frozenset(tokenizer.all_special_ids), "shortlist": 16}
+    common = {"start_id": tokenizer.bos_token_id, "excluded": frozenset(tokenizer.all_special_ids),
+              "config": LLMReconstructionConfig(shortlist=16)}
     kept = llm_reconstruction([ids], [ids], [attacked], smollm2_lm.model, **common)
     assert kept.top1.successes == 4  # released as they are: the released token wins on both sides' context
     noise = list(ids)

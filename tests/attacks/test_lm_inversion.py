@@ -13,6 +13,7 @@ from scipy import integrate
 from privlm.attacks import (
     CausalLMPrior,
     DChiNoise,
+    LMInversionConfig,
     NGramPrior,
     ReleasedTokenNoise,
     clip_rate,
@@ -28,6 +29,7 @@ from privlm.mechanisms.clipping import clip_to_norm
 from tests.models.tiny import tiny_model
 
 V, D = 200, 16
+LIKELIHOOD_ONLY = LMInversionConfig(prior_weight=0.0)
 
 
 def _world(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -66,7 +68,7 @@ def _release(vocabulary: torch.Tensor, texts: list[torch.Tensor], eta: float, *,
 def test_without_the_prior_it_is_nearest_neighbour(world):
     vocabulary, prior, texts = world
     released = _release(vocabulary, texts, 3.0)
-    inversion = lm_inversion(released, texts, vocabulary, noise=DChiNoise(3.0), prior=prior, prior_weight=0.0)
+    inversion = lm_inversion(released, texts, vocabulary, noise=DChiNoise(3.0), prior=prior, config=LIKELIHOOD_ONLY)
     nn = nearest_neighbour_inversion(torch.cat(released), torch.cat(texts), vocabulary)
     expected = project_to_vocabulary(torch.cat(released), vocabulary)
     assert torch.equal(torch.cat(inversion.guesses), expected)
@@ -97,7 +99,7 @@ def test_clipped_rows_exact_law_beats_nearest_neighbour_and_reports_the_clip_rat
     assert result.details["clip_rate"] == pytest.approx(clip_rate(rows, clip)) and result.details["clip_rate"] > 0.5
     assert result.ci_low > nn.ci_high
     alone = lm_inversion(released, texts, vocabulary, noise=DChiNoise(eta, clip_norm=clip), prior=prior,
-                         prior_weight=0.0).result
+                         config=LIKELIHOOD_ONLY).result
     assert alone.successes >= nn.successes - 0.02 * nn.trials  # the exact law is no worse than undo-scale NN
 
 
@@ -153,7 +155,7 @@ def test_token_id_releases_use_the_surrogate(world):
     baseline = token_id_inversion(torch.cat(ids), torch.cat(texts), vocabulary)
     noise = ReleasedTokenNoise.calibrated(vocabulary, eta, generator=make_generator(3))
     assert noise.scale is not None and noise.scale < eta  # retention is lower than exp(-eta * distance) implies
-    alone = lm_inversion(rows, texts, vocabulary, noise=noise, prior=prior, prior_weight=0.0)
+    alone = lm_inversion(rows, texts, vocabulary, noise=noise, prior=prior, config=LIKELIHOOD_ONLY)
     assert torch.equal(torch.cat(alone.guesses), torch.cat(ids))  # the released token itself
     result = lm_inversion(rows, texts, vocabulary, noise=noise, prior=prior).result
     assert result.ci_low > baseline.ci_high and result.details["clip_rate"] is None
@@ -206,7 +208,7 @@ def test_a_causal_lm_prior_runs_the_attack():
     texts = [torch.randint(5, model.config.vocab_size, (6,), generator=g) for _ in range(3)]
     released = [DChiLaplace(eta=20.0).sample(vocabulary[t], generator=g) for t in texts]
     inversion = lm_inversion(released, texts, vocabulary, noise=DChiNoise(20.0), prior=CausalLMPrior(model, start_id=2),
-                             beam=3, shortlist=5, prior_weight=0.5)
+                             config=LMInversionConfig(beam=3, shortlist=5, prior_weight=0.5))
     assert [guess.shape for guess in inversion.guesses] == [t.shape for t in texts]
     assert inversion.result.rate > inversion.result.chance
 

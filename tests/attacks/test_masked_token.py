@@ -5,7 +5,7 @@ import torch
 from scipy import stats
 from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
 
-from privlm.attacks import masked_token_inference
+from privlm.attacks import MaskedTokenConfig, masked_token_inference
 from tests.conftest import P_THRESHOLD
 from tests.models.tiny import VOCAB, WORDS, tiny_model
 
@@ -83,7 +83,8 @@ def test_oracle_masked_lm_recovers_everything(generator, tokenizer):
 def test_max_batch_tokens_splits_the_rows(generator, tokenizer):
     original, perturbed = _sequences(generator, tokenizer, 1, 9)
     oracle = OracleMLM(original, perturbed, tokenizer.mask_token_id)
-    result = masked_token_inference(original, perturbed, oracle, tokenizer, max_batch_tokens=33)  # 3 rows of 11
+    result = masked_token_inference(original, perturbed, oracle, tokenizer,
+                                    config=MaskedTokenConfig(max_batch_tokens=33))  # 3 rows of 11
     assert oracle.calls == 3
     assert result.rate == 1.0
 
@@ -91,7 +92,8 @@ def test_max_batch_tokens_splits_the_rows(generator, tokenizer):
 def test_random_predictor_is_at_chance(tokenizer):
     generator = torch.Generator().manual_seed(7)
     original, perturbed = _sequences(generator, tokenizer, 60, 10)
-    result = masked_token_inference(original, perturbed, RandomMLM(generator), tokenizer, rouge_on="tokens")
+    result = masked_token_inference(original, perturbed, RandomMLM(generator), tokenizer,
+                                    config=MaskedTokenConfig(rouge_on="tokens"))
     chance = 1 / (VOCAB - SPECIAL)  # special tokens are never predicted
     assert result.trials == 600
     assert result.rate < 0.05
@@ -177,7 +179,8 @@ def test_causal_stand_in_with_top_1_is_the_left_context_argmax(generator, tokeni
     model = _tiny_causal(family)
     original, perturbed = _sequences(generator, tokenizer, 2, 6)
     start = tokenizer.cls_token_id  # sequences start with it, so nothing is prepended
-    result = masked_token_inference(original, perturbed, model, tokenizer, top_k=1, context_start_id=start)
+    result = masked_token_inference(original, perturbed, model, tokenizer,
+                                    config=MaskedTokenConfig(top_k=1, context_start_id=start))
     assert result.details["method"] == "causal-lm-stand-in" and result.name == "mti-causal-lm-stand-in"
     with torch.no_grad():
         logits = model(input_ids=perturbed).logits
@@ -194,8 +197,8 @@ def test_causal_stand_in_reranks_by_the_full_sentence(generator, tokenizer):
     i = 2
     attack = torch.zeros_like(perturbed, dtype=torch.bool)
     attack[0, i] = True
-    result = masked_token_inference(original, perturbed, model, tokenizer, attack_mask=attack, top_k=VOCAB,
-                                    context_start_id=tokenizer.cls_token_id)
+    result = masked_token_inference(original, perturbed, model, tokenizer, attack_mask=attack,
+                                    config=MaskedTokenConfig(top_k=VOCAB, context_start_id=tokenizer.cls_token_id))
     candidates = perturbed.repeat(VOCAB - SPECIAL, 1)
     candidates[:, i] = torch.arange(SPECIAL, VOCAB)
     with torch.no_grad():
@@ -211,19 +214,21 @@ def test_causal_stand_in_needs_a_start_token(generator, tokenizer):
     with pytest.raises(ValueError, match="bos or eos"):
         masked_token_inference(original, perturbed, model, tokenizer)
     with pytest.raises(ValueError, match="position 0"):
-        masked_token_inference(original, perturbed, model, tokenizer, context_start_id=tokenizer.cls_token_id,
-                               attack_mask=torch.ones_like(perturbed, dtype=torch.bool))
+        masked_token_inference(original, perturbed, model, tokenizer,
+                               attack_mask=torch.ones_like(perturbed, dtype=torch.bool),
+                               config=MaskedTokenConfig(context_start_id=tokenizer.cls_token_id))
     # a start token that the sequence does not begin with is prepended, so position 0 has a left context
-    result = masked_token_inference(original, perturbed, model, tokenizer, context_start_id=tokenizer.sep_token_id,
-                                    attack_mask=torch.ones_like(perturbed, dtype=torch.bool))
+    result = masked_token_inference(original, perturbed, model, tokenizer,
+                                    attack_mask=torch.ones_like(perturbed, dtype=torch.bool),
+                                    config=MaskedTokenConfig(context_start_id=tokenizer.sep_token_id))
     assert result.trials == perturbed.numel()
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"method": "bert"}, "method"),
-    ({"top_k": 0}, "top_k"),
-    ({"max_batch_tokens": 0}, "max_batch_tokens"),
-    ({"rouge_on": "chars"}, "rouge_on"),
+    ({"config": MaskedTokenConfig(method="bert")}, "method"),
+    ({"config": MaskedTokenConfig(top_k=0)}, "top_k"),
+    ({"config": MaskedTokenConfig(max_batch_tokens=0)}, "max_batch_tokens"),
+    ({"config": MaskedTokenConfig(rouge_on="chars")}, "rouge_on"),
     ({"perturbed_ids": [[2, 5, 6, 3]]}, "perturbed_ids"),
     ({"perturbed_ids": [[2, 5, 6], [2, 5, 6]]}, "perturbed_ids"),
     ({"perturbed_ids": [[2, -5, 6]]}, "perturbed_ids"),

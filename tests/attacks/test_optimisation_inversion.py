@@ -9,6 +9,7 @@ import transformers
 from scipy import stats
 
 from privlm.attacks import (
+    OptimisationInversionConfig,
     nearest_neighbour_inversion,
     optimisation_inversion,
     temperature_schedule,
@@ -73,7 +74,7 @@ def test_recovers_unnoised_k1_outputs(tiny_split, tokens):
     with torch.no_grad():
         observed = bottom(ids, attention)
     result = optimisation_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                                    batch_size=8, generator=make_generator(2))
+                                    generator=make_generator(2), config=OptimisationInversionConfig(batch_size=8))
     assert result.rate >= 0.8
     assert result.trials == int(attention.sum())
 
@@ -86,7 +87,7 @@ def test_unrelated_observation_gives_chance(tiny_split, tokens, generator):
     with torch.no_grad():
         observed = bottom(other, attention)
     result = optimisation_inversion(observed, attention, bottom.forward_from_words, bottom.vocabulary, ids,
-                                    steps=50, generator=make_generator(3))
+                                    generator=make_generator(3), config=OptimisationInversionConfig(steps=50))
     assert result.rate < 0.05
     assert stats.binomtest(result.successes, result.trials, result.chance).pvalue > P_THRESHOLD
 
@@ -102,8 +103,8 @@ def test_bottom_is_left_untouched(tiny_split, tokens):
     try:
         for forward in (bottom.forward_from_words, lambda w, m: bottom.forward_from_words(w, m)):
             with torch.no_grad():  # the caller's grad mode must not matter
-                optimisation_inversion(observed[:4], attention[:4], forward, bottom.vocabulary, ids[:4], steps=5,
-                                       generator=make_generator(4))
+                optimisation_inversion(observed[:4], attention[:4], forward, bottom.vocabulary, ids[:4],
+                                       generator=make_generator(4), config=OptimisationInversionConfig(steps=5))
         assert bottom.training and all(module.training for module in bottom.modules())
     finally:
         bottom.eval()
@@ -118,13 +119,14 @@ def test_mask_selects_the_positions_that_count(tokens, generator):
     vocab = torch.randn(V, D, generator=generator)
     mask = attention.bool().clone()
     mask[:, 0] = False  # e.g. [CLS]
-    result = optimisation_inversion(vocab[ids], attention, identity, vocab, ids, mask=mask, steps=60,
-                                    generator=make_generator(5))
+    result = optimisation_inversion(vocab[ids], attention, identity, vocab, ids, mask=mask,
+                                    generator=make_generator(5), config=OptimisationInversionConfig(steps=60))
     assert result.trials == int(mask.sum())
     hidden = torch.zeros_like(mask)
     hidden[: B // 4, L - 1] = True  # a padded position
     with pytest.raises(ValueError, match="mask"):
-        optimisation_inversion(vocab[ids], attention, identity, vocab, ids, mask=hidden, steps=1)
+        optimisation_inversion(vocab[ids], attention, identity, vocab, ids, mask=hidden,
+                               config=OptimisationInversionConfig(steps=1))
 
 
 def test_temperature_schedule_is_geometric():
@@ -163,16 +165,18 @@ def test_bad_inputs_name_the_parameter(generator, change, param):
     vocab = torch.randn(V, D, generator=generator)
     args = {"observed": torch.zeros(2, 4, D), "attention_mask": torch.ones(2, 4, dtype=torch.long),
             "bottom_forward": identity, "vocabulary": vocab, "true_ids": torch.zeros(2, 4, dtype=torch.long)}
-    args.update(change)
+    knobs = {"steps", "lr", "batch_size", "temperature"}
+    args.update({key: value for key, value in change.items() if key not in knobs})
+    config = OptimisationInversionConfig(**{key: value for key, value in change.items() if key in knobs})
     with pytest.raises(ValueError, match=param):
-        optimisation_inversion(**args)
+        optimisation_inversion(**args, config=config)
 
 
 def test_bottom_returning_the_wrong_shape_is_refused(generator):
     vocab = torch.randn(V, D, generator=generator)
     with pytest.raises(ValueError, match="bottom_forward"):
         optimisation_inversion(torch.zeros(2, 4, D), torch.ones(2, 4, dtype=torch.long), lambda w, m: w[..., :3],
-                               vocab, torch.zeros(2, 4, dtype=torch.long), steps=1)
+                               vocab, torch.zeros(2, 4, dtype=torch.long), config=OptimisationInversionConfig(steps=1))
 
 
 # --- union over epochs (trainable bottom, SAP Table 3) ---

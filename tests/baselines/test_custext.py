@@ -12,7 +12,7 @@ import torch
 from transformers import BertTokenizerFast
 
 from privlm.attacks import audit_mechanism
-from privlm.baselines.custext import Custext, CustextMechanism, CustextPlus
+from privlm.baselines.custext import Custext, CustextMechanism, CustextOptions, CustextPlus
 from privlm.baselines.neighbours import (
     build_output_sets,
     check_partition,
@@ -328,7 +328,7 @@ def test_the_ledger_is_charged_eps_per_perturbed_token(smollm2_vocabulary, smoll
 
 
 def test_custext_loads_its_output_sets_from_the_cache(small, tmp_path):
-    custext = Custext(small, epsilon=1.0, k=7, cache_root=tmp_path, generator=make_generator(0))
+    custext = Custext(small, epsilon=1.0, generator=make_generator(0), options=CustextOptions(k=7, cache_root=tmp_path))
     assert output_sets_path(small, 7, root=tmp_path).exists()
     assert listed(custext.mechanism.output_sets.members) == algorithm_1(small.candidate_embeddings, 7)
     report = custext.perturb("the cat sat on zebra").report  # "zebra" is WordPiece's [UNK] here
@@ -343,7 +343,7 @@ def test_custext_loads_its_output_sets_from_the_cache(small, tmp_path):
 def test_bad_epsilon_is_refused(small, epsilon):
     sets = build_output_sets(small, 7)
     with pytest.raises(ValueError, match="epsilon"):
-        Custext(small, epsilon=epsilon, k=7, output_sets=sets)
+        Custext(small, epsilon=epsilon, output_sets=sets, options=CustextOptions(k=7))
     with pytest.raises(ValueError, match="epsilon"):
         CustextMechanism(small, sets, epsilon=epsilon)
 
@@ -353,12 +353,12 @@ def test_bad_k_is_refused(small, tmp_path, k):
     with pytest.raises(ValueError, match="k must"):
         build_output_sets(small, k)
     with pytest.raises(ValueError, match="k must"):
-        Custext(small, epsilon=1.0, k=k, cache_root=tmp_path)
+        Custext(small, epsilon=1.0, options=CustextOptions(k=k, cache_root=tmp_path))
 
 
 def test_output_sets_of_another_k_or_vocabulary_are_refused(small, tight):
     with pytest.raises(ValueError, match="k=7"):
-        Custext(small, epsilon=1.0, k=8, output_sets=build_output_sets(small, 7))
+        Custext(small, epsilon=1.0, output_sets=build_output_sets(small, 7), options=CustextOptions(k=8))
     with pytest.raises(ValueError, match="another vocabulary"):
         CustextMechanism(small, build_output_sets(tight, 7), epsilon=1.0)
 
@@ -366,7 +366,8 @@ def test_output_sets_of_another_k_or_vocabulary_are_refused(small, tight):
 @pytest.mark.parametrize("texts", [[""], ["  "], []])
 def test_empty_texts_are_refused(small, texts):
     with pytest.raises(ValueError, match="texts"):
-        Custext(small, epsilon=1.0, k=7, output_sets=build_output_sets(small, 7)).perturb_batch(texts)
+        custext = Custext(small, epsilon=1.0, output_sets=build_output_sets(small, 7), options=CustextOptions(k=7))
+        custext.perturb_batch(texts)
 
 
 @pytest.mark.parametrize("x", [torch.tensor([0.5]), torch.tensor([VOCAB]), torch.tensor([-1]), [5]])

@@ -19,6 +19,7 @@ class ToDog(TokenLevelBaseline):
     """Releases "dog" for every perturbed token: a deterministic stand-in to test the driver."""
 
     name = "to-dog"
+    unit = PrivacyUnit.EPSILON  # a test double: no mechanism to read it from
     guarantee = "none: a test double"
 
     def release(self, token_ids: torch.Tensor) -> torch.Tensor:

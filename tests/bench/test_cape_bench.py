@@ -57,6 +57,7 @@ class KeepOrUniform:
 
 class KeepOrUniformText(TokenLevelBaseline):
     name = "toy"
+    unit = PrivacyUnit.EPSILON
 
     def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, generator: torch.Generator | None = None,
                  ledger: Ledger | None = None, principal: str = "local") -> None:
@@ -68,8 +69,9 @@ class KeepOrUniformText(TokenLevelBaseline):
         return self.vocabulary.candidate_ids[self.mechanism.sample(token_ids, generator=self.generator)]
 
 
-TOY = TextMechanism("toy", "Toy keep-or-uniform", "baseline", PrivacyUnit.EPSILON, "keeps w.p. eps / (eps + 10)",
-                    lambda context, eps, generator, ledger, principal: KeepOrUniformText(
+TOY = TextMechanism(name="toy", label="Toy keep-or-uniform", family="baseline", unit=KeepOrUniformText.unit,
+                    description="keeps w.p. eps / (eps + 10)",
+                    factory=lambda context, eps, generator, ledger, principal: KeepOrUniformText(
                         context.vocabulary, epsilon=eps, generator=generator, ledger=ledger, principal=principal))
 
 

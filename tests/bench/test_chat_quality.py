@@ -289,7 +289,7 @@ def test_restore_measures_pair_each_restored_answer_with_its_own_upstream_answer
 
 
 def _names_gateway(stub: Any, **options: Any) -> Any:
-    from privlm.chat.service.completions import ChatOptions
+    from privlm.settings.chat import ChatOptions
     from tests.support.chat import NamePerturber, chat_gateway, fake_privacy
 
     restore = options.pop("restore", True)

@@ -4,13 +4,13 @@ import pytest
 from rich.console import Console
 
 from privlm.models import SplitModel
-from privlm.snd.encoder import SnDEncoder
+from privlm.snd.encoder import EncoderOptions
 from privlm_bench.harness.bench import run_sweep
 from privlm_bench.snd.sweep import SnDSetting, snd_sweep
 from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 
 QUIET = Console(quiet=True)
-BATCH = SnDEncoder.__init__.__kwdefaults__["batch_size"]
+BATCH = EncoderOptions().batch_size
 
 
 @pytest.mark.slow

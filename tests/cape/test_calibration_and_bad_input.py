@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from privlm.cape import Cape, LogitBound
+from privlm.cape import Cape, CapeOptions, LogitBound
 from privlm.chat.service.privacy import PromptPrivacy
 from tests.cape.conftest import NEIGHBOUR, PROMPT, B
 from tests.conftest import BAD_POSITIVE_REALS
@@ -92,7 +92,7 @@ def test_uncalibrated_b_is_an_error_that_says_to_calibrate(smollm2_lm):
 
 
 def test_uncalibrated_b_can_calibrate_on_first_use_with_a_warning(tiny_masked_lm):
-    cape = Cape(tiny_masked_lm, epsilon=1.0, on_uncalibrated="calibrate")
+    cape = Cape(tiny_masked_lm, epsilon=1.0, options=CapeOptions(on_uncalibrated="calibrate"))
     with pytest.warns(UserWarning, match="not calibrated"):
         results = cape.perturb_batch(TEXTS)
     assert cape.logit_bound.n_texts == 2 and cape.config.logit_bound == cape.logit_bound.value
@@ -108,26 +108,27 @@ def test_bad_epsilon(smollm2_lm, bad):
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "50", True])
 def test_bad_bucket_count(smollm2_lm, bad):
     with pytest.raises(ValueError, match="n_buckets"):
-        Cape(smollm2_lm, epsilon=1.0, n_buckets=bad, logit_bound=B)
+        Cape(smollm2_lm, epsilon=1.0, logit_bound=B, options=CapeOptions(n_buckets=bad))
 
 
 @pytest.mark.parametrize("name", ["lambda_L", "lambda_D"])
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1"])
 def test_bad_lambdas(smollm2_lm, name, bad):
     with pytest.raises(ValueError, match=name):
-        Cape(smollm2_lm, epsilon=1.0, logit_bound=B, **{name: bad})
+        Cape(smollm2_lm, epsilon=1.0, logit_bound=B, options=CapeOptions(**{name: bad}))
 
 
 def test_both_lambdas_zero(smollm2_lm):
     with pytest.raises(ValueError, match="both be 0"):
-        Cape(smollm2_lm, epsilon=1.0, lambda_L=0.0, lambda_D=0.0)
+        Cape(smollm2_lm, epsilon=1.0, options=CapeOptions(lambda_L=0.0, lambda_D=0.0))
 
 
 @pytest.mark.parametrize(("name", "bad"), [("logit_bound", 0.0), ("logit_bound", float("nan")), ("batch_size", 0),
                                            ("on_uncalibrated", "maybe")])
 def test_other_bad_parameters(smollm2_lm, name, bad):
+    setting = {name: bad} if name == "logit_bound" else {"options": CapeOptions(**{name: bad})}
     with pytest.raises(ValueError, match=name):
-        Cape(smollm2_lm, epsilon=1.0, **{name: bad})
+        Cape(smollm2_lm, epsilon=1.0, **setting)
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, float("nan"), True])
@@ -157,8 +158,8 @@ def test_pair_bound_refuses_prompts_that_are_not_neighbours(smollm2_lm):
 
 
 def test_release_refuses_utilities_prepared_by_another_cape(smollm2_lm):
-    distance_only = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.0)
-    other = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.0, lambda_D=0.5)
+    distance_only = Cape(smollm2_lm, epsilon=2.0, options=CapeOptions(lambda_L=0.0))
+    other = Cape(smollm2_lm, epsilon=2.0, options=CapeOptions(lambda_L=0.0, lambda_D=0.5))
     prepared = distance_only.prepare(["My friend Alice lives in Paris."])
     assert distance_only.release(prepared)[0].report.n_perturbed > 0
     with pytest.raises(ValueError, match="another Cape"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from privlm.accounting import BudgetExhaustedError, Ledger
-from privlm.cape import Cape, CapeBucketizedMechanism, CapeConfig
+from privlm.cape import Cape, CapeBucketizedMechanism, CapeConfig, CapeOptions
 from privlm.mechanisms import ExponentialMechanism, PrivacyUnit, make_generator
 from privlm.models.perturbation import NOTHING_SPENT, TextPerturber, TokenOutcome
 from tests.cape.conftest import NEIGHBOUR, PROMPT, B
@@ -46,7 +46,8 @@ def test_utility_follows_its_definition_on_both_paths(smollm2_lm):
 
 def test_one_forward_pass_per_batch_and_none_without_logits(smollm2_lm):
     cape = Cape(smollm2_lm, epsilon=2.0, logit_bound=B)
-    distance_only = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.0)  # needs no B: the device model never runs
+    # needs no B: the device model never runs
+    distance_only = Cape(smollm2_lm, epsilon=2.0, options=CapeOptions(lambda_L=0.0))
     calls = []
     hook = smollm2_lm.model.base_model.register_forward_hook(lambda *args: calls.append(1))
     try:
@@ -99,7 +100,8 @@ def test_non_sensitive_rule_on_real_tokens(smollm2_lm):
 
 
 def test_unbucketed_cape_is_the_exponential_mechanism(smollm2_lm):
-    cape = Cape(smollm2_lm, epsilon=2.0, n_buckets=None, logit_bound=B, generator=make_generator(2))
+    cape = Cape(smollm2_lm, epsilon=2.0, logit_bound=B, options=CapeOptions(n_buckets=None),
+                generator=make_generator(2))
     assert isinstance(cape.mechanism(), ExponentialMechanism)
     assert cape.mechanism().sensitivity == cape.config.sensitivity == 1.5
     report = cape.perturb(PROMPT).report
@@ -109,7 +111,7 @@ def test_unbucketed_cape_is_the_exponential_mechanism(smollm2_lm):
 
 
 def test_mechanism_and_config(smollm2_lm):
-    cape = Cape(smollm2_lm, epsilon=2.0, lambda_L=0.25, lambda_D=0.75, n_buckets=8, logit_bound=B)
+    cape = Cape(smollm2_lm, epsilon=2.0, logit_bound=B, options=CapeOptions(lambda_L=0.25, lambda_D=0.75, n_buckets=8))
     mechanism = cape.mechanism()
     assert isinstance(mechanism, CapeBucketizedMechanism)
     assert (mechanism.epsilon, mechanism.sensitivity, mechanism.n_buckets) == (2.0, 1.0, 8)
@@ -198,7 +200,7 @@ def test_batched_rows_match_one_prompt_at_a_time(smollm2_lm):
 
 def test_distance_only_rows_peak_at_the_token_itself(smollm2_lm):
     """lambda_L = 0: u = lambda_D * s, and s = 1 exactly at the original token (its distance to itself is 0)."""
-    cape = Cape(smollm2_lm, epsilon=1.0, lambda_L=0.0, lambda_D=2.0)
+    cape = Cape(smollm2_lm, epsilon=1.0, options=CapeOptions(lambda_L=0.0, lambda_D=2.0))
     prepared = cape.prepare([PROMPT])[0]
     own = cape.vocabulary.candidate_index[torch.tensor([prepared.tokens.ids[i] for i in prepared.positions])]
     peak = prepared.utilities.amax(-1)

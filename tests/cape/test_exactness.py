@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from privlm.attacks import audit_mechanism
-from privlm.cape import Cape
+from privlm.cape import Cape, CapeOptions
 from privlm.mechanisms import (
     BucketizedExponentialMechanism,
     ExponentialMechanism,
@@ -87,7 +87,8 @@ def test_the_paper_per_token_claim_fails_through_the_context(real_pair):
 
 def test_bucketed_draws_follow_the_exact_law_on_constructed_rows(real_pair, generator):
     """Cape's own sampling path (bucket by its exact probability, then a uniform member), one draw per row."""
-    mechanism = Cape(real_pair.cape.device_model, epsilon=3.0, n_buckets=7, logit_bound=B).mechanism()
+    cape = Cape(real_pair.cape.device_model, epsilon=3.0, logit_bound=B, options=CapeOptions(n_buckets=7))
+    mechanism = cape.mechanism()
     u = torch.rand(60, generator=generator) * 1.5
     u[:20] *= 0.1  # a crowded bottom: buckets of very different sizes
     draws, buckets = mechanism.release_rows(u.expand(200_000, 60), generator)  # the path ``release`` uses
@@ -112,7 +113,8 @@ def test_bucketed_draws_follow_the_exact_law_on_a_real_row(real_pair, generator,
 
 
 def test_unbucketed_draws_follow_the_exact_law(real_pair, generator):
-    mechanism = Cape(real_pair.cape.device_model, epsilon=8.0, n_buckets=None, logit_bound=B).mechanism()
+    cape = Cape(real_pair.cape.device_model, epsilon=8.0, logit_bound=B, options=CapeOptions(n_buckets=None))
+    mechanism = cape.mechanism()
     assert isinstance(mechanism, ExponentialMechanism)
     small = torch.rand(60, generator=generator) * 1.5
     assert_draws_follow(mechanism.sample(small, num_samples=200_000, generator=generator),
@@ -128,7 +130,7 @@ def test_unbucketed_draws_follow_the_exact_law(real_pair, generator):
 
 @pytest.mark.parametrize(("n_buckets", "epsilon"), [(50, 1.0), (None, 64.0)])
 def test_auditor_lower_bound_stays_below_the_claim_on_real_rows(real_pair, n_buckets, epsilon):
-    cape = Cape(real_pair.cape.device_model, epsilon=epsilon, n_buckets=n_buckets, logit_bound=B)
+    cape = Cape(real_pair.cape.device_model, epsilon=epsilon, logit_bound=B, options=CapeOptions(n_buckets=n_buckets))
     mechanism = cape.mechanism()
     j = real_pair.changed
     u, u_prime = real_pair.prompt.utilities[j], real_pair.neighbour.utilities[j]

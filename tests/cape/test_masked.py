@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from privlm.accounting import Ledger
-from privlm.cape import Cape
+from privlm.cape import Cape, CapeOptions
 from privlm.cape.utility import device_logits, distance_scores
 from privlm.mechanisms import PrivacyUnit, make_generator
 from privlm.models.language import LanguageModel
@@ -94,7 +94,7 @@ def test_each_chunk_is_its_own_context(tiny_masked_lm):
 
 
 def test_unknown_token_is_perturbed_from_its_own_row_and_reported(tiny_masked_lm):
-    cape = Cape(tiny_masked_lm, epsilon=1.0, lambda_L=0.0, generator=make_generator(2))
+    cape = Cape(tiny_masked_lm, epsilon=1.0, generator=make_generator(2), options=CapeOptions(lambda_L=0.0))
     text = "the zebra sat on the mat ."
     prepared = cape.prepare([text])[0]
     unk = tiny_masked_lm.tokenizer.unk_token_id

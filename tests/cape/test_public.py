@@ -14,7 +14,7 @@ import torch
 
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.attacks import audit_mechanism
-from privlm.cape.public import PublicContextCape, public_base, run_rounds
+from privlm.cape.public import PublicContextCape, PublicContextOptions, public_base, run_rounds
 from privlm.cape.utility import Query, device_logits
 from privlm.mechanisms import BaseMeasureExponentialMechanism, PrivacyUnit, exact_privacy_loss, make_generator
 from privlm.models.perturbation import TokenOutcome
@@ -46,7 +46,8 @@ class Recording(PublicContextCape):
 def test_the_batched_decode_reads_exactly_the_released_prefix():
     """Every decode step's logits (KV cache, rows padded on the left, prompts of several lengths, a prompt in two
     chunks) are the logits of one forward pass over [bos] + that row's released prefix."""
-    cape = Recording(tiny_causal_lm(), epsilon=2.0, batch_size=8, generator=make_generator(1))
+    cape = Recording(tiny_causal_lm(), epsilon=2.0, options=PublicContextOptions(batch_size=8),
+                     generator=make_generator(1))
     released = cape.perturb_batch(TEXTS)
     per_step = cape.seen
     room = cape.room
@@ -102,9 +103,10 @@ def test_a_masked_device_model_is_refused(tiny_masked_lm):
                                  {"top_p": 1.5}, {"batch_size": 0}, {"rounds": 0}, {"rounds": 1.5},
                                  {"rounds": 2, "placeholder": "w90 w91"}])
 def test_bad_settings_are_refused(bad):
-    settings = {"epsilon": 1.0, **bad}
+    options = dict(bad)
+    epsilon = options.pop("epsilon", 1.0)
     with pytest.raises(ValueError):
-        PublicContextCape(tiny_causal_lm(), **settings)
+        PublicContextCape(tiny_causal_lm(), epsilon=epsilon, options=PublicContextOptions(**options))
 
 
 # --- rounds: at most k forward passes ---------------------------------------------------------------------------
@@ -113,7 +115,8 @@ PLACEHOLDER = "w90"
 
 def test_without_a_one_token_blank_the_placeholder_is_the_unknown_token():
     lm = tiny_causal_lm()  # WordPiece splits " ___" into three "_", each unknown; " _" is one (unknown) token
-    assert PublicContextCape(lm, epsilon=1.0, rounds=2).placeholder_id == lm.tokenizer.unk_token_id
+    cape = PublicContextCape(lm, epsilon=1.0, options=PublicContextOptions(rounds=2))
+    assert cape.placeholder_id == lm.tokenizer.unk_token_id
 
 
 def test_a_positions_round_is_its_index_in_its_run_capped():
@@ -126,7 +129,8 @@ def test_each_round_reads_the_released_tokens_of_earlier_rounds_and_placeholders
     """Every round's logits are those of one forward pass over [bos] + the chunk with the positions of earlier
     rounds as released, and a placeholder at every position of this round or a later one; and a batch takes one
     forward pass per round, however many tokens are perturbed."""
-    cape = Recording(tiny_causal_lm(), epsilon=2.0, batch_size=8, rounds=2, placeholder=PLACEHOLDER,
+    cape = Recording(tiny_causal_lm(), epsilon=2.0,
+                     options=PublicContextOptions(batch_size=8, rounds=2, placeholder=PLACEHOLDER),
                      generator=make_generator(7))
     forwards = spy_on_forward(cape.device_model.model, lambda: None)
     released = cape.perturb_batch(TEXTS)
@@ -152,8 +156,9 @@ def test_in_rounds_the_sampler_follows_the_exact_law():
     """Chi-square at p = 1e-6 on 10,000 releases of a three-token run in two rounds, top-p 0.9: the first token
     against its law on the skeleton; the third, among releases with the most frequent first token, against its law
     given that token and a placeholder at the second."""
-    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, top_p=0.9, rounds=2, placeholder=PLACEHOLDER,
-                             generator=make_generator(8), batch_size=4096)  # top-p < 1: the sampler's truncation
+    # top-p < 1: the sampler's truncation
+    options = PublicContextOptions(tau=0.7, top_p=0.9, rounds=2, placeholder=PLACEHOLDER, batch_size=4096)
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, options=options, generator=make_generator(8))
     text = "w1 w2 w3"
     assert run_rounds(cape.tokenize(text).sensitive_positions, 2) == [0, 1, 1]  # the third shares the second's round
     releases = torch.tensor([[t.released_id for t in out.report.tokens]
@@ -170,7 +175,8 @@ def test_in_rounds_the_sampler_follows_the_exact_law():
 def test_the_exact_loss_of_a_whole_release_over_every_outcome_is_at_most_n_eps(rounds):
     """The joint law of a two-token release, enumerated over every outcome (r_0, r_1) for two prompts that differ in
     both tokens: max over r of |ln P(r | x) - ln P(r | x')| is at most 2 eps, and positive."""
-    cape = PublicContextCape(tiny_causal_lm(), epsilon=1.5, tau=0.8, top_p=0.9, rounds=rounds, placeholder=PLACEHOLDER)
+    options = PublicContextOptions(tau=0.8, top_p=0.9, rounds=rounds, placeholder=PLACEHOLDER)
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=1.5, options=options)
     x, x_prime = "w1 w2", "w3 w4"
     candidates = cape.vocabulary.candidate_ids.tolist()
     worst = 0.0
@@ -202,7 +208,8 @@ def test_the_sampler_follows_the_exact_law_at_the_first_and_the_second_position(
     """Chi-square at p = 1e-6 on 10,000 releases of a two-token prompt: the first token against its exact law
     given [bos]; the second, among releases whose first token was the most frequent one, against its exact law
     given that first token."""
-    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, tau=0.7, generator=make_generator(2), batch_size=4096)
+    cape = PublicContextCape(tiny_causal_lm(), epsilon=3.0, options=PublicContextOptions(tau=0.7, batch_size=4096),
+                             generator=make_generator(2))
     text = "w1 w2"
     releases = torch.tensor([[t.released_id for t in out.report.tokens]
                              for out in cape.perturb_batch([text] * 10_000)])
@@ -218,7 +225,8 @@ def test_the_sampler_follows_the_exact_law_at_the_first_and_the_second_position(
 # --- SmolLM2: the exact losses of real neighbouring prompts -------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_public(smollm2_lm) -> PublicContextCape:
-    return PublicContextCape(smollm2_lm, epsilon=8.0, tau=0.5, top_p=0.9, generator=make_generator(3))
+    return PublicContextCape(smollm2_lm, epsilon=8.0, options=PublicContextOptions(tau=0.5, top_p=0.9),
+                             generator=make_generator(3))
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 4.0, 16.0])
@@ -228,8 +236,8 @@ def test_exact_loss_per_position_and_of_the_release_given_a_shared_prefix(smollm
     """For a release r of PROMPT: at every perturbed position, max_y |ln P(y | x_i, r_<i) / P(y | x'_i, r_<i)| <= eps
     (NEIGHBOUR differs in one name; with rounds, given what the position's round reads of r); the whole release's
     exact loss is at most the sum, n eps, and the ledger's total is n eps."""
-    cape = PublicContextCape(smollm2_lm, epsilon=epsilon, tau=tau, top_p=top_p, rounds=rounds,
-                             generator=make_generator(4))
+    options = PublicContextOptions(tau=tau, top_p=top_p, rounds=rounds)
+    cape = PublicContextCape(smollm2_lm, epsilon=epsilon, options=options, generator=make_generator(4))
     out = cape.perturb(PROMPT)
     released = [t.released_id for t in out.report.tokens]
     positions, law = cape.position_log_probabilities(PROMPT, released)

@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.cape import Cape, LogitBound
-from privlm.chat.service.guardrail import create_guardrail_app
 from privlm.chat.service.privacy import PrivacyStepError, PrivateTexts, PromptPrivacy, token_counter
 from privlm.mechanisms import PrivacyUnit, Spend
 from privlm.models.language import LanguageModel
@@ -27,6 +26,7 @@ from tests.conftest import spy_on_forward
 from tests.service.localhost import serving
 from tests.support import litellm
 from tests.support.chat import EPS, TIMEOUT, B, StubUpstream, assert_openai_error, chat_body, chat_gateway
+from tests.support.gateway import guardrail_app
 
 PROMPTS = ("Maria Gonzalez from Seattle has asthma.", "John Carter was diagnosed with diabetes in March.",
            "Priya Sharma earns 38,000 a year in Leeds.", "Tom Becker works at the Berlin office on Sunday.")
@@ -222,7 +222,7 @@ def test_concurrent_guardrail_requests_share_a_pass_and_a_spent_key_is_blocked_a
     ledger.spend("litellm-key:spent", Spend(EPSILON, 1e4))
     privacy = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
     keys = ["spent", "fresh-1", "fresh-2", "fresh-3"]
-    with serving(create_guardrail_app(privacy, charge_to="key")) as url, httpx.Client(base_url=url,
+    with serving(guardrail_app(privacy, guardrail_charge="key")) as url, httpx.Client(base_url=url,
                                                                                      timeout=TIMEOUT) as http:
         forwards.clear()
         with ThreadPoolExecutor(len(keys)) as pool:
@@ -239,8 +239,8 @@ def test_the_int8_device_model_needs_a_bound_calibrated_on_it(smollm2_lm, tmp_pa
     """`privlm gateway --device-model-int8`: a bound calibrated on the fp32 model is refused, one from `privlm cape
     calibrate --int8` is taken, and a GPU device is refused before any model loads."""
     from privlm.cli import app
-    from privlm.gateway.settings import SettingError
-    from privlm.gateway.settings import device_model as _device_model
+    from privlm.gateway.setup import device_model as _device_model
+    from privlm.settings.options import SettingError
 
     prompts = tmp_path / "public.txt"
     prompts.write_text("What is the capital of France?\nWrite a short poem about the sea.\n")
@@ -255,8 +255,8 @@ def test_the_int8_device_model_needs_a_bound_calibrated_on_it(smollm2_lm, tmp_pa
         _device_model("smollm2", device="cpu", int8=True, bound=fp32_bound)
     assert not _device_model("smollm2", device="cpu", int8=False, bound=fp32_bound).quantized
 
-    import privlm.models.device
+    import privlm.gateway.setup
 
-    monkeypatch.setattr(privlm.models.device, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(privlm.gateway.setup, "resolve_device", lambda device: torch.device("cuda"))
     with pytest.raises(SettingError, match="CPU only"):
         _device_model("smollm2", device="cuda", int8=True, bound=int8_bound)

@@ -14,9 +14,9 @@ import httpx
 import openai
 
 from privlm.accounting import Ledger
-from privlm.chat.service.completions import ChatOptions
 from privlm.chat.service.memory import ConversationMemory
 from privlm.mechanisms import PrivacyUnit
+from privlm.settings.chat import ChatOptions
 from tests.support.chat import (
     ECHO,
     ECHO_PREFIX,

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from privlm.chat.service.completions import ChatOptions
+from privlm.settings.chat import ChatOptions
 from tests.support.chat import TIMEOUT, StubUpstream, assert_openai_error, chat_gateway, in_order
 
 pytestmark = pytest.mark.slow

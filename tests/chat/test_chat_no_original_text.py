@@ -20,13 +20,13 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.completions import create_chat_gateway
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.chat.service.upstream import ChatUpstream
 from privlm.mechanisms import PrivacyUnit
 from tests.chat.test_chat_fail_closed import broken
 from tests.service.localhost import dead_url, serving
 from tests.support.chat import FAILING, MISSING, TIMEOUT, B, chat_body, fake_privacy
+from tests.support.gateway import chat_app
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ LOGGERS = ("privlm", "httpx", "httpcore", "uvicorn", "uvicorn.error", "uvicorn.a
 def start(stack: ExitStack, privacy: PromptPrivacy, upstream_url: str, audit_path: Path) -> str:
     """A gateway with keys A, B and C, auditing to ``audit_path``, served until ``stack`` closes; its URL."""
     upstream = ChatUpstream(upstream_url, read_timeout=30, api_key=UPSTREAM_KEY)
-    app = create_chat_gateway(privacy, upstream, api_keys=[KEY_A, KEY_B, KEY_C], audit=AuditLog(audit_path))
+    app = chat_app(privacy, upstream, api_keys=[KEY_A, KEY_B, KEY_C], audit=AuditLog(audit_path))
     return stack.enter_context(serving(app))
 
 

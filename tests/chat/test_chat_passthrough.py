@@ -37,7 +37,7 @@ SECOND = "Her doctor in Lyon said the cough is asthma."
 
 @pytest.fixture(scope="module")
 def gateway(cape_privacy, stub) -> Iterator[str]:
-    with chat_gateway(cape_privacy, stub.url, upstream_key=UPSTREAM_KEY, chat_models=["stub-model"]) as url:
+    with chat_gateway(cape_privacy, stub.url, upstream_key=UPSTREAM_KEY, models=["stub-model"]) as url:
         yield url
 
 

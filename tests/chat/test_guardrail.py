@@ -18,7 +18,6 @@ from privlm.chat.service.guardrail import (
     END_USER_PREFIX,
     GUARDRAIL_PATH,
     KEY_PREFIX,
-    create_guardrail_app,
 )
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
@@ -26,6 +25,7 @@ from tests.cape.conftest import PROMPT, B
 from tests.service.localhost import serving, serving_guarded
 from tests.support import litellm
 from tests.support.chat import in_order
+from tests.support.gateway import guardrail_app
 from tests.support.litellm import END_USER, KEY_HASH
 from tests.support.litellm import body as litellm_body
 
@@ -59,13 +59,13 @@ def privacy(smollm2_lm) -> PromptPrivacy:
 @pytest.fixture(scope="module")
 def client(privacy) -> Iterator[httpx.Client]:
     """The guardrail on the packaged SmolLM2, no ledger, no keys."""
-    with serving(create_guardrail_app(privacy)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(guardrail_app(privacy)) as url, httpx.Client(base_url=url, timeout=60) as http:
         yield http
 
 
 @pytest.fixture
 def fake_client() -> Iterator[httpx.Client]:
-    with serving(create_guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=60) as http:
         yield http
 
 
@@ -136,7 +136,7 @@ def test_epsilon_above_the_limit_or_invalid_is_blocked(fake_client):
 
 def test_a_response_is_not_perturbed_nor_charged(tmp_path):
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10.0})
-    with serving(create_guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url) as http:
+    with serving(guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url) as http:
         response = post(http, litellm_body([SECRET], input_type="response"))
     assert response.status_code == 200
     assert response.json() == {"action": "NONE"}  # no texts: LiteLLM keeps the model's answer as it is
@@ -151,7 +151,7 @@ def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(smollm2_lm, p
     budget = 1.5 * cost
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: budget})
     charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
-    app = create_guardrail_app(charged, charge_to="key")
+    app = guardrail_app(charged, guardrail_charge="key")
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         first = post(http, litellm_body([PROMPT]))
         assert first.json()["action"] == "GUARDRAIL_INTERVENED", first.text
@@ -173,7 +173,7 @@ def test_a_key_budget_is_charged_to_its_hash_and_blocks_once_spent(smollm2_lm, p
 def test_end_user_charging_charges_the_end_user_not_the_key(smollm2_lm, tmp_path):
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1e6})
     charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
-    app = create_guardrail_app(charged, charge_to="end-user")
+    app = guardrail_app(charged, guardrail_charge="end-user")
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         data = {"user_api_key_hash": KEY_HASH, "user_api_key_end_user_id": "customer-42"}
         response = post(http, litellm_body([PROMPT], request_data=data))
@@ -192,7 +192,7 @@ def test_end_user_charging_charges_the_end_user_not_the_key(smollm2_lm, tmp_path
     ("key-and-end-user", {"user_api_key_hash": KEY_HASH}, "request_data.user_api_key_end_user_id is missing")])
 def test_a_missing_id_is_blocked_when_there_is_a_ledger(tmp_path, charge_to, present, named):
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10.0})
-    app = create_guardrail_app(fake_privacy(ledger), charge_to=charge_to)
+    app = guardrail_app(fake_privacy(ledger), guardrail_charge=charge_to)
     missing = next(iter({"user_api_key_hash", "user_api_key_end_user_id"} - set(present)))
     with serving(app) as url, httpx.Client(base_url=url) as http:
         for data in (present, present | {missing: None}, present | {missing: "  "}):
@@ -219,14 +219,15 @@ def test_images_are_blocked_by_default(fake_client):
 def test_images_pass_unchanged_when_asked(privacy):
     messages = [{"role": "user", "content": [{"type": "text", "text": PROMPT},
                                              {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    with serving(create_guardrail_app(privacy, images="pass")) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with (serving(guardrail_app(privacy, guardrail_images="pass")) as url,
+          httpx.Client(base_url=url, timeout=60) as http):
         answer = post(http, litellm_body(messages=messages)).json()
     assert answer["action"] == "GUARDRAIL_INTERVENED" and answer["texts"][0] != PROMPT
     assert "images" not in answer  # LiteLLM then keeps the request's own images
 
 
 def test_over_long_texts_are_blocked():
-    with serving(create_guardrail_app(fake_privacy(max_prompt_tokens=5))) as url, httpx.Client(base_url=url) as http:
+    with serving(guardrail_app(fake_privacy(max_prompt_tokens=5))) as url, httpx.Client(base_url=url) as http:
         assert_blocked(post(http, litellm_body(["one two three", SECRET])), "more than 5 tokens")
 
 
@@ -237,7 +238,7 @@ def test_a_failing_privacy_step_is_blocked(fake_client):
 
 def test_an_unexpected_error_is_blocked():
     broken = fake_privacy(count_tokens=lambda text: 1 // 0)
-    with serving(create_guardrail_app(broken)) as url, httpx.Client(base_url=url) as http:
+    with serving(guardrail_app(broken)) as url, httpx.Client(base_url=url) as http:
         assert_blocked(post(http, litellm_body([SECRET])), "ZeroDivisionError")
 
 
@@ -254,7 +255,7 @@ class _FailingAudit(AuditLog):
 
 @pytest.mark.slow
 def test_a_release_that_cannot_be_audited_is_blocked(privacy, tmp_path):
-    app = create_guardrail_app(privacy, audit=_FailingAudit(tmp_path / "a.jsonl"))
+    app = guardrail_app(privacy, audit=_FailingAudit(tmp_path / "a.jsonl"))
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         assert_blocked(post(http, litellm_body([PROMPT])), "audit log could not be written")
 
@@ -267,7 +268,7 @@ def test_the_audit_log_and_the_ledger_never_hold_the_original(smollm2_lm, tmp_pa
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1e6})
     audit = AuditLog(tmp_path / name)
     charged = PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B, ledger=ledger)
-    with serving(create_guardrail_app(charged, audit=audit)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(guardrail_app(charged, audit=audit)) as url, httpx.Client(base_url=url, timeout=60) as http:
         released = post(http, litellm_body([PROMPT, ""]))
         reasons = [post(http, litellm_body([SECRET], images=["data:image/png;base64,AAAA"])).json()["blocked_reason"],
                    post(http, litellm_body([SECRET], params={"epsilon": 99})).json()["blocked_reason"]]
@@ -299,7 +300,7 @@ def test_a_body_that_is_not_a_request_is_blocked(fake_client):
 
 
 def test_with_keys_the_route_takes_a_bearer_key(tmp_path):
-    app = create_guardrail_app(fake_privacy(), api_keys=["guard-key-1"])
+    app = guardrail_app(fake_privacy(), api_keys=["guard-key-1"])
     with serving(app) as url, httpx.Client(base_url=url) as http:
         body = litellm_body([SECRET], input_type="response")
         refused = post(http, body)
@@ -308,12 +309,12 @@ def test_with_keys_the_route_takes_a_bearer_key(tmp_path):
 
 
 def test_bad_options_are_refused():
-    with pytest.raises(ValueError, match="charge_to"):
-        create_guardrail_app(fake_privacy(), charge_to="team")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="images"):
-        create_guardrail_app(fake_privacy(), images="drop")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="guardrail_max_in_flight"):
-        create_guardrail_app(fake_privacy(), guardrail_max_in_flight=0)
+    with pytest.raises(ValueError, match="--guardrail-charge"):
+        guardrail_app(fake_privacy(), guardrail_charge="team")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--guardrail-images"):
+        guardrail_app(fake_privacy(), guardrail_images="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--guardrail-max-in-flight"):
+        guardrail_app(fake_privacy(), guardrail_max_in_flight=0)
 
 
 # -- the scaffolding's refusals: BLOCKED, never an error status a fail-open LiteLLM would forward past ------------
@@ -335,7 +336,7 @@ def test_a_saturated_guardrail_answers_blocked_not_an_error_status():
     the route: test_guardrail_litellm.py.)"""
     entered, release = threading.Event(), threading.Event()
     named = "guardrail_max_in_flight=1"
-    app = create_guardrail_app(held_privacy(entered, release), api_keys=["litellm-key"], guardrail_max_in_flight=1)
+    app = guardrail_app(held_privacy(entered, release), api_keys=["litellm-key"], guardrail_max_in_flight=1)
     auth = {"x-api-key": "litellm-key"}  # where LiteLLM sends its api_key
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
         held = pool.submit(post, http, litellm_body([SECRET]), **auth)
@@ -353,7 +354,7 @@ def test_over_the_connection_cap_the_guardrail_answers_blocked():
     import socket
     import time
 
-    app = create_guardrail_app(fake_privacy(), api_keys=["litellm-key"])
+    app = guardrail_app(fake_privacy(), api_keys=["litellm-key"])
     with serving_guarded(app, max_connections=1, header_timeout=30) as url:
         host, port = url.removeprefix("http://").split(":")
         idle = socket.create_connection((host, int(port)), timeout=10)

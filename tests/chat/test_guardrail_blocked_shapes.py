@@ -19,10 +19,11 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.guardrail import GUARDRAIL_PATH, create_guardrail_app
+from privlm.chat.service.guardrail import GUARDRAIL_PATH
 from privlm.mechanisms import PrivacyUnit
 from tests.chat.test_guardrail import SECRET, assert_blocked, fake_privacy, litellm_body, post
 from tests.service.localhost import serving
+from tests.support.gateway import guardrail_app
 
 Mutation = Callable[[dict[str, Any]], object]
 
@@ -31,7 +32,7 @@ Mutation = Callable[[dict[str, Any]], object]
 def guardrail(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[httpx.Client]:
     """The guardrail without and with a ledger (the missing id is handled differently with one)."""
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10.0}) if request.param == "ledger" else None
-    with serving(create_guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(guardrail_app(fake_privacy(ledger))) as url, httpx.Client(base_url=url, timeout=60) as http:
         yield http
 
 
@@ -71,7 +72,7 @@ def test_note_guardrail_a_blocked_shape_is_audited_without_its_values(tmp_path):
     audit = AuditLog(tmp_path / "audit.jsonl")
     body = litellm_body([SECRET])
     del body["request_data"]
-    with serving(create_guardrail_app(fake_privacy(), audit=audit)) as url, httpx.Client(base_url=url) as http:
+    with serving(guardrail_app(fake_privacy(), audit=audit)) as url, httpx.Client(base_url=url) as http:
         response = post(http, body)
     assert_blocked(response, "request_data")
     [record] = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]

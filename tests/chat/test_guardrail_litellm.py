@@ -33,7 +33,6 @@ from privlm.chat.service.guardrail import (
     END_USER_PREFIX,
     GUARDRAIL_PATH,
     KEY_PREFIX,
-    create_guardrail_app,
 )
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit, Spend
@@ -41,6 +40,7 @@ from privlm.models.perturbation import PerturbedPrompt
 from tests.service.localhost import serving, serving_guarded
 from tests.support import litellm
 from tests.support.chat import EPS, FakePerturber, fake_privacy
+from tests.support.gateway import guardrail_app
 from tests.support.litellm import END_USER, KEY_HASH
 
 ROOT = Path(__file__).parents[2]
@@ -92,7 +92,7 @@ def test_a_litellm_burst_queues_for_the_device_model_instead_of_being_refused():
     """The issue's trial: LiteLLM, one key, 12 requests at once. The service's own limits (max_in_flight=4: one
     place per key) would refuse 11 of them; the route's own places take them all, and they wait their turn."""
     gate, entered = threading.Event(), threading.Event()
-    app = Counting(create_guardrail_app(gated_privacy(gate, entered), api_keys=[KEY], max_in_flight=4))
+    app = Counting(guardrail_app(gated_privacy(gate, entered), api_keys=[KEY], max_in_flight=4))
     burst = 12
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, \
             ThreadPoolExecutor(burst) as pool:
@@ -116,7 +116,7 @@ def test_a_litellm_burst_queues_for_the_device_model_instead_of_being_refused():
 def test_beyond_its_own_places_a_burst_is_blocked_never_forwarded():
     """Two places, the first held: of three more requests at once, one queues and two are BLOCKED at once."""
     gate, entered = threading.Event(), threading.Event()
-    app = create_guardrail_app(gated_privacy(gate, entered), api_keys=[KEY], guardrail_max_in_flight=2)
+    app = guardrail_app(gated_privacy(gate, entered), api_keys=[KEY], guardrail_max_in_flight=2)
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(4) as pool:
         first = pool.submit(post, http, litellm.body([TEXT]))
         assert entered.wait(30)
@@ -138,7 +138,7 @@ def test_the_services_other_routes_keep_their_own_places():
     """The guardrail's places are its own: a held guardrail request takes none of max_in_flight (here 1), so
     /health-style and other routes with a body still answer; and a guardrail burst is not limited by it."""
     gate, entered = threading.Event(), threading.Event()
-    app = create_guardrail_app(gated_privacy(gate, entered), api_keys=[KEY], max_in_flight=1)
+    app = guardrail_app(gated_privacy(gate, entered), api_keys=[KEY], max_in_flight=1)
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(2) as pool:
         first = pool.submit(post, http, litellm.body([TEXT]))
         assert entered.wait(30)
@@ -153,10 +153,11 @@ def test_the_gateway_gives_the_guardrail_its_own_places_too(stub):
     """``privlm gateway --guardrail``: the same places of its own (``ChatSetup.guardrail_max_in_flight``)."""
     from privlm.chat.service.upstream import ChatUpstream
     from privlm.gateway import ChatSetup, create_privacy_gateway
+    from privlm.settings.chat import ChatOptions
 
     gate, entered = threading.Event(), threading.Event()
-    setup = ChatSetup(privacy=gated_privacy(gate, entered), upstream=ChatUpstream(stub.url), guardrail=True,
-                      guardrail_max_in_flight=1)
+    setup = ChatSetup(privacy=gated_privacy(gate, entered), upstream=ChatUpstream(stub.url),
+                      options=ChatOptions(guardrail=True, guardrail_max_in_flight=1))
     app = create_privacy_gateway(chat=setup, api_keys=[KEY], max_in_flight=1)
     with serving_guarded(app) as url, httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
         first = pool.submit(post, http, litellm.body([TEXT]))
@@ -172,7 +173,7 @@ def test_the_gateway_gives_the_guardrail_its_own_places_too(stub):
 
 @pytest.fixture
 def working() -> Any:
-    with serving(create_guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with serving(guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=60) as http:
         yield http
 
 
@@ -200,7 +201,7 @@ def test_an_epsilon_header_litellm_did_not_forward_or_above_the_limit_is_blocked
 
 def budgeted(tmp_path: Path, budget: float, **options: Any) -> tuple[Ledger, Any]:
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: budget})
-    return ledger, create_guardrail_app(fake_privacy(ledger=ledger), **options)
+    return ledger, guardrail_app(fake_privacy(ledger=ledger), **options)
 
 
 def data(key: str = KEY_HASH, user: str | None = END_USER) -> dict[str, str]:
@@ -238,7 +239,7 @@ def test_by_default_the_key_and_the_end_user_are_charged_together(tmp_path):
 def test_end_user_charging_alone_lets_a_key_holder_mint_budgets(tmp_path):
     """Why it is not the default: with ``charge_to="end-user"``, each new ``user`` a client names has a fresh
     budget, so one key releases far past any one budget."""
-    ledger, app = budgeted(tmp_path, COST, charge_to="end-user")
+    ledger, app = budgeted(tmp_path, COST, guardrail_charge="end-user")
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         for n in range(3):
             assert action(post(http, litellm.body([TEXT], request_data=data(user=f"fresh-{n}")), api_key=None)
@@ -249,7 +250,7 @@ def test_end_user_charging_alone_lets_a_key_holder_mint_budgets(tmp_path):
 def test_a_joint_audit_record_names_both(tmp_path):
     audit = AuditLog(tmp_path / "a.jsonl")
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 10 * COST})
-    with serving(create_guardrail_app(fake_privacy(ledger=ledger), audit=audit)) as url, \
+    with serving(guardrail_app(fake_privacy(ledger=ledger), audit=audit)) as url, \
             httpx.Client(base_url=url, timeout=60) as http:
         post(http, litellm.body([TEXT]), api_key=None)
     [record] = audit.records()
@@ -295,7 +296,7 @@ def test_the_documented_config_calls_privlm_as_the_tests_do(tmp_path):
     x-api-key, its epsilon as the provider param, the client's header through extra_headers."""
     params = documented_config()["guardrails"][0]["litellm_params"]
     config_epsilon = params["additional_provider_specific_params"]["epsilon"]
-    app = create_guardrail_app(fake_privacy(), api_keys=[KEY])
+    app = guardrail_app(fake_privacy(), api_keys=[KEY])
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         body = litellm.body([TEXT], params=params["additional_provider_specific_params"])
         assert float(post(http, body).headers["x-privlm-epsilon"]) == config_epsilon

@@ -10,12 +10,13 @@ import httpx
 
 from privlm.accounting import Ledger, joint_principal
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.guardrail import END_USER_PREFIX, GUARDRAIL_PATH, KEY_PREFIX, create_guardrail_app
+from privlm.chat.service.guardrail import END_USER_PREFIX, GUARDRAIL_PATH, KEY_PREFIX
 from privlm.chat.service.memory import ConversationMemory
 from privlm.mechanisms import PrivacyUnit
 from tests.service.localhost import serving
 from tests.support import litellm
 from tests.support.chat import EPS, NamePerturber, fake_privacy
+from tests.support.gateway import guardrail_app
 
 FIRST, FIRST_SENT = "Maria Gonzalez lives in Rotterdam.", "Jake Rodriguez lives in Denver."
 SECOND, SECOND_SENT = "Does Maria like Lisbon?", "Does Jake like Paris?"
@@ -25,7 +26,7 @@ PRINCIPAL = joint_principal(KEY_PREFIX + litellm.KEY_HASH, END_USER_PREFIX + lit
 def turns(tmp_path: Any, memory: ConversationMemory | None) -> tuple[list[httpx.Response], Ledger]:
     """Two turns as LiteLLM posts them: the second carries the first message, the answer, and a new message."""
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
-    app = create_guardrail_app(fake_privacy(NamePerturber, ledger=ledger), memory=memory)
+    app = guardrail_app(fake_privacy(NamePerturber, ledger=ledger), memory=memory)
     history = [{"role": "user", "content": FIRST}]
     answers = []
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
@@ -64,7 +65,7 @@ def test_a_release_memory_cannot_keep_is_answered_and_its_repeat_paid_again(tmp_
 def test_end_users_of_one_key_never_share_memory_even_when_the_key_alone_is_charged(tmp_path):
     """Charged by key only, two end users still read memories of their own: a free, faster answer would tell one
     that the other sent the text."""
-    app = create_guardrail_app(fake_privacy(NamePerturber), charge_to="key", memory=ConversationMemory())
+    app = guardrail_app(fake_privacy(NamePerturber), guardrail_charge="key", memory=ConversationMemory())
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         answers = [http.post(GUARDRAIL_PATH, headers=litellm.headers(), json=litellm.body(
             [FIRST], request_data={"user_api_key_hash": litellm.KEY_HASH, "user_api_key_end_user_id": user}))
@@ -80,7 +81,7 @@ class FailingAudit(AuditLog):
 def test_a_release_blocked_for_want_of_an_audit_record_is_refunded_and_not_remembered(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
     memory = ConversationMemory()
-    app = create_guardrail_app(fake_privacy(NamePerturber, ledger=ledger), memory=memory,
+    app = guardrail_app(fake_privacy(NamePerturber, ledger=ledger), memory=memory,
                                audit=FailingAudit(tmp_path / "audit.jsonl"))
     with serving(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         answer = http.post(GUARDRAIL_PATH, json=litellm.body([FIRST]), headers=litellm.headers())

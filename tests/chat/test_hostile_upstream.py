@@ -26,12 +26,12 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.completions import create_chat_gateway
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.chat.service.upstream import ChatUpstream
 from privlm.mechanisms import PrivacyUnit
 from tests.service.localhost import dead_url, serving
 from tests.support.chat import CANNED, CHUNKS, EPS, assert_openai_error, chat_body, fake_privacy, sse_events
+from tests.support.gateway import chat_app
 
 KEY = "hostile-test-key"
 PROMPT = "Alice Smith from Boston has asthma."
@@ -227,7 +227,7 @@ def hostile() -> Iterator[HostileUpstream]:
 @contextmanager
 def gateway(upstream: ChatUpstream, *, privacy: PromptPrivacy | None = None, **service: Any) -> Iterator[str]:
     """The private chat gateway in front of ``upstream``, with one key, on a real server; yields its URL."""
-    with serving(create_chat_gateway(privacy or fake_privacy(), upstream, api_keys=[KEY], **service)) as url:
+    with serving(chat_app(privacy or fake_privacy(), upstream, api_keys=[KEY], **service)) as url:
         yield url
 
 

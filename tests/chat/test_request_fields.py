@@ -25,10 +25,10 @@ import openai
 import pytest
 
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.completions import ChatOptions
 from privlm.chat.service.messages import perturbed_fields
 from privlm.chat.wire import ChatCompletionRequest
 from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
+from privlm.settings.chat import ChatOptions
 from tests.support.chat import (
     EPS,
     TIMEOUT,

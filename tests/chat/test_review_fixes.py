@@ -14,6 +14,7 @@ from privlm.chat.service.upstream import ChatUpstream
 from privlm.chat.wire import ChatCompletionRequest
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
+from privlm.settings.chat import ChatOptions
 from tests.service.localhost import serving
 from tests.support.chat import FAILING, TIMEOUT, assert_openai_error, chat_body, chat_gateway, fake_privacy
 
@@ -63,8 +64,8 @@ def test_assistant_text_is_perturbed_only_when_asked():
 
 def test_the_guardrail_is_off_by_default_and_refuses_over_long_ids(stub):
     privacy = fake_privacy(ledger=None)
-    assert ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url)).guardrail is False
-    setup = ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url), guardrail=True)
+    assert ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url)).options.guardrail is False
+    setup = ChatSetup(privacy=privacy, upstream=ChatUpstream(stub.url), options=ChatOptions(guardrail=True))
     with serving(create_privacy_gateway(chat=setup)) as url:
         body = {"texts": ["Alice lives in Boston"], "input_type": "request",
                 "request_data": {"user_api_key_hash": "x" * 257}}

@@ -21,8 +21,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from privlm.chat.service.completions import ChatOptions
 from privlm.chat.service.memory import ConversationMemory
+from privlm.settings.chat import ChatOptions
 from tests.chat.test_request_fields import client, post
 from tests.service.localhost import serving
 from tests.support.chat import StubUpstream, assert_openai_error, chat_gateway, fake_privacy

@@ -29,16 +29,18 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.guardrail import END_USER_PREFIX, GUARDRAIL_PATH, KEY_PREFIX, create_guardrail_app
+from privlm.chat.service.guardrail import END_USER_PREFIX, GUARDRAIL_PATH, KEY_PREFIX
 from privlm.chat.service.memory import ConversationMemory, EarlierRelease
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.chat.service.upstream import ChatUpstream
 from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.models.perturbation import PerturbedPrompt
+from privlm.settings.chat import ChatOptions
 from tests.service.localhost import serving
 from tests.support import litellm
 from tests.support.chat import EPS, TIMEOUT, FakePerturber, chat_body, fake_privacy
+from tests.support.gateway import guardrail_app
 
 ROOT = Path(__file__).parents[2]
 SECRET = "Alice Smith from Boston has HIV"  # only ever in requests that must be blocked, or perturbed
@@ -83,7 +85,7 @@ def nested(depth: int) -> bytes:
 @pytest.fixture
 def guardrail() -> Iterator[httpx.Client]:
     """The guardrail without a model (nothing here gets as far as perturbing)."""
-    with serving(create_guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+    with serving(guardrail_app(fake_privacy())) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         yield http
 
 
@@ -95,7 +97,7 @@ def test_round3_3_the_guardrail_takes_the_smallest_of_a_joined_epsilon_header(tm
     before ("must be a number"), while the chat route took the smallest; now the guardrail releases at the smallest
     too, and charges for it."""
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
-    with (serving(create_guardrail_app(fake_privacy(ledger=ledger))) as url,
+    with (serving(guardrail_app(fake_privacy(ledger=ledger))) as url,
           httpx.Client(base_url=url, timeout=TIMEOUT) as http):
         answer = http.post(GUARDRAIL_PATH, headers=litellm.headers(),
                            json=litellm.body([SECRET], client_headers={"x-privlm-epsilon": header}))
@@ -122,7 +124,7 @@ def test_round3_7_guardrail_blocks_an_over_deep_body(tmp_path):
     ``fail_on_error: false`` answers by forwarding the original. Now BLOCKED, audited, nothing charged."""
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 100.0})
     audit = AuditLog(tmp_path / "audit.jsonl")
-    app = create_guardrail_app(fake_privacy(ledger=ledger), audit=audit)
+    app = guardrail_app(fake_privacy(ledger=ledger), audit=audit)
     with serving(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         for body in (nested(DEEP), b"[" * DEEP + b"]" * DEEP):
             assert "RecursionError" in blocked_reason(post(http, body))
@@ -162,7 +164,7 @@ def test_round3_7_guardrail_reads_a_request_whatever_its_content_type(guardrail)
 def test_round3_7_the_gateway_blocks_on_its_guardrail_and_keeps_its_400_on_chat(stub):
     """One gateway (chat and guardrail): the over-deep body is BLOCKED on the guardrail route, and still a 400 in
     OpenAI's shape on /v1/chat/completions, where an error status forwards nothing."""
-    setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url), guardrail=True)
+    setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url), options=ChatOptions(guardrail=True))
     stub.clear()
     with serving(create_privacy_gateway(chat=setup)) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         assert "RecursionError" in blocked_reason(post(http, nested(DEEP)))
@@ -214,7 +216,7 @@ def test_round3_8_a_burst_past_the_guardrail_deadline_is_blocked_and_charges_not
     held = Held()
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
     audit = AuditLog(tmp_path / "audit.jsonl")
-    app = create_guardrail_app(held_privacy(held, ledger), audit=audit, guardrail_deadline=DEADLINE)
+    app = guardrail_app(held_privacy(held, ledger), audit=audit, guardrail_deadline=DEADLINE)
     body = litellm.body([SECRET])
     with serving(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool:
         started = time.monotonic()
@@ -257,7 +259,7 @@ def test_round3_8_the_deadline_is_checked_before_the_charge(tmp_path):
     held = Held()
     held.release.set()
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
-    app = create_guardrail_app(held_privacy(held, ledger), memory=_SlowMemory(DEADLINE + 0.2),
+    app = guardrail_app(held_privacy(held, ledger), memory=_SlowMemory(DEADLINE + 0.2),
                                guardrail_deadline=DEADLINE)
     with serving(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         answer = http.post(GUARDRAIL_PATH, json=litellm.body([SECRET]), headers=litellm.headers())
@@ -267,8 +269,8 @@ def test_round3_8_the_deadline_is_checked_before_the_charge(tmp_path):
 
 def test_round3_8_a_bad_guardrail_deadline_is_refused():
     for bad in (0, -1.0, math.inf, math.nan):
-        with pytest.raises(ValueError, match="guardrail_deadline"):
-            create_guardrail_app(fake_privacy(), guardrail_deadline=bad)
+        with pytest.raises(ValueError, match="--guardrail-deadline"):
+            guardrail_app(fake_privacy(), guardrail_deadline=bad)
 
 
 AUDIT_DEADLINE = 2.0  # seconds: the fake mechanism is done within milliseconds, far inside it even on a loaded machine
@@ -296,7 +298,7 @@ def test_round3_8_a_release_audited_past_the_deadline_is_blocked_given_back_and_
     request with the same text is released afresh, and charged."""
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
     audit = _SlowAuditLog(tmp_path / "audit.jsonl")
-    app = create_guardrail_app(fake_privacy(ledger=ledger), audit=audit, memory=ConversationMemory(None),
+    app = guardrail_app(fake_privacy(ledger=ledger), audit=audit, memory=ConversationMemory(None),
                                guardrail_deadline=AUDIT_DEADLINE)
     with serving(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         late = http.post(GUARDRAIL_PATH, json=litellm.body([SECRET]), headers=litellm.headers())
@@ -331,7 +333,7 @@ def test_round3_8_a_slow_memory_write_never_holds_the_answer(tmp_path):
     meanwhile waits for the write (within its own deadline), and is then sent as released, free."""
     ledger = Ledger(tmp_path / "l.sqlite", budgets={PrivacyUnit.EPSILON: 1000.0})
     memory = _HeldMemory()
-    app = create_guardrail_app(fake_privacy(ledger=ledger), memory=memory)
+    app = guardrail_app(fake_privacy(ledger=ledger), memory=memory)
     with (serving(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool):
         def send() -> httpx.Response:
             return http.post(GUARDRAIL_PATH, json=litellm.body([SECRET]), headers=litellm.headers())

@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import privlm.chat.service.completions as chat_module
 from privlm.accounting import Ledger
-from privlm.chat.service.completions import ChatOptions
 from privlm.chat.service.memory import ConversationMemory, EarlierRelease
 from privlm.mechanisms import PrivacyUnit
+from privlm.settings.chat import ChatOptions
 from tests.service.localhost import serving
 from tests.support.chat import (
     ECHO_PREFIX,

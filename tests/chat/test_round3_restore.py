@@ -18,11 +18,12 @@ from collections.abc import Sequence
 import httpx
 
 from privlm.chat.restore import Restorer, replaced_spans
-from privlm.chat.service.completions import ChatOptions, Release
+from privlm.chat.service.completions import Release
 from privlm.chat.service.memory import Recalled
 from privlm.chat.service.privacy import PrivateTexts
 from privlm.mechanisms import PrivacyUnit
 from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
+from privlm.settings.chat import ChatOptions
 from tests.support.chat import ECHO, ECHO_PREFIX, TIMEOUT, NamePerturber, chat_gateway, fake_privacy
 
 PROMPT = "I have asthma and diabetes."

@@ -204,7 +204,9 @@ def test_the_routes_openapi_never_answers_5xx():
 def test_the_gateway_settings_mount_the_route_with_the_packaged_detector_on_their_device(stub, monkeypatch):
     """``build`` (what ``privlm gateway`` and each Ray replica run) mounts /v1/detect with ``Detector.default`` on the
     gateway's --device, made on the first request."""
-    from privlm.gateway.settings import ChatSettings, GatewaySettings, GatewaySetups, build
+    from privlm.gateway.setup import GatewaySetups, build
+    from privlm.settings.chat import ChatSettings
+    from privlm.settings.gateway import GatewaySettings
 
     devices: list[str] = []
     layer = FakeLayer()
@@ -214,7 +216,7 @@ def test_the_gateway_settings_mount_the_route_with_the_packaged_detector_on_thei
         return Detector([layer])
 
     monkeypatch.setattr(Detector, "default", classmethod(default))
-    settings = GatewaySettings(chat=ChatSettings(stub.url, epsilon=6.0, mechanism="santext"), device="cpu")
+    settings = GatewaySettings(chat=ChatSettings(upstream=stub.url, epsilon=6.0, mechanism="santext"), device="cpu")
     setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url), models=["stub-model"])
     app = build(settings, GatewaySetups(embeddings=None, chat=setup, api_keys=()))
     assert devices == []

@@ -17,6 +17,7 @@ from privlm.gateway import ChatSetup, create_privacy_gateway
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.auth import CHAT_UPSTREAM_API_KEY_ENV, GATEWAY_API_KEYS_ENV, KEY_ENV_VARS
 from privlm.service.process import stop
+from privlm.settings.chat import ChatOptions
 from tests.service.localhost import start_privlm_on_free_port
 from tests.support.chat import CANNED_CONTENT, TIMEOUT, B, fake_privacy
 
@@ -62,7 +63,7 @@ def test_the_gateway_command_serves_private_chat(smollm2_lm, stub, tmp_path):
 
 
 def test_chat_memory_settings(tmp_path):
-    from privlm.gateway.settings import conversation_memory
+    from privlm.gateway.setup import conversation_memory
 
     ledger = str(tmp_path / "ledger.sqlite")
     assert conversation_memory("off", days=30.0, max_entries=10, ledger=ledger) is None
@@ -117,7 +118,8 @@ def test_a_missing_logit_bound_file_is_a_usage_error(tmp_path):
 
 @pytest.mark.parametrize("guardrail", [True, False])
 def test_the_guardrail_route_is_mounted_only_when_asked(stub, guardrail):
-    setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url), guardrail=guardrail)
+    setup = ChatSetup(privacy=fake_privacy(), upstream=ChatUpstream(stub.url),
+                      options=ChatOptions(guardrail=guardrail))
     paths = create_privacy_gateway(chat=setup).openapi()["paths"]
     assert "/v1/chat/completions" in paths and "/v1/models" in paths
     assert (GUARDRAIL in paths) is guardrail

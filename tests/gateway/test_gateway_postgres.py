@@ -10,13 +10,14 @@ import pytest
 
 from privlm.accounting import Ledger
 from privlm.accounting.database import close_pools
-from privlm.chat.service.guardrail import GUARDRAIL_PATH, create_guardrail_app
+from privlm.accounting.postgres_server import PostgresServer
+from privlm.chat.service.guardrail import GUARDRAIL_PATH
 from privlm.chat.service.memory import ConversationMemory
 from privlm.mechanisms import PrivacyUnit
-from privlm_bench.harness.postgres import PostgresServer
 from tests.service.localhost import serving
 from tests.support import litellm
 from tests.support.chat import EPS, TIMEOUT, NamePerturber, assert_openai_error, chat_gateway, fake_privacy
+from tests.support.gateway import embeddings_app, guardrail_app
 
 KEY = "team-key-1"
 TEXT = "My friend Maria moved to Lisbon."  # two replaced words: 2 * EPS a request
@@ -92,7 +93,7 @@ def test_without_memory_the_charge_itself_fails_closed(stub, database):
 def test_the_guardrail_answers_blocked_while_the_database_is_down(database):
     server, url, secret = database
     ledger = Ledger(url, budgets={PrivacyUnit.EPSILON: 100.0}, secret=secret)
-    app = create_guardrail_app(fake_privacy(NamePerturber, ledger=ledger), charge_to="key")
+    app = guardrail_app(fake_privacy(NamePerturber, ledger=ledger), guardrail_charge="key")
     body = litellm.body(messages=[{"role": "user", "content": TEXT}])  # exactly what LiteLLM posts
     with serving(app) as gateway:
         def guard() -> httpx.Response:
@@ -121,8 +122,7 @@ class CountingServer:
 
 def test_embeddings_fail_closed_while_the_database_is_down_and_recover(database, tmp_path):
     from privlm.models import SplitModel
-    from privlm.snd import Client
-    from privlm.snd.service.gateway import create_gateway
+    from privlm.snd import Client, ClientOptions
     from privlm.snd.service.server import create_app
     from tests.models.tiny import tiny_bert_folder
 
@@ -131,8 +131,9 @@ def test_embeddings_fail_closed_while_the_database_is_down_and_recover(database,
     snd = CountingServer(create_app(model, denoiser_dirs=[]))
     ledger = Ledger(url, budgets={PrivacyUnit.ETA_TOKEN: 1e6}, secret=secret)
     with serving(snd) as snd_url:
-        client = Client(snd_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu", ledger=ledger)
-        with serving(create_gateway(client, api_keys=[KEY])) as gateway:
+        client = Client(snd_url, eta=5.0, denoiser=None, device="cpu", cache_dir=tmp_path / "cache",
+                        options=ClientOptions(ledger=ledger))
+        with serving(embeddings_app(client, api_keys=[KEY])) as gateway:
             sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
             sdk.embeddings.create(model="privlm-snd-model", input="the cat sat")
             server_db.stop(mode="immediate")

@@ -21,10 +21,13 @@ from typer.testing import CliRunner
 
 from privlm.accounting import Ledger
 from privlm.cape import LogitBound
-from privlm.gateway.settings import ChatSettings, EmbeddingsSettings, GatewaySettings, SettingError
+from privlm.gateway.setup import for_replicas, shared_files
 from privlm.mechanisms import PrivacyUnit
 from privlm.service.auth import KEY_ENV_VARS
 from privlm.service.process import stop
+from privlm.settings.chat import ChatSettings
+from privlm.settings.gateway import EmbeddingsSettings, GatewaySettings
+from privlm.settings.options import SettingError
 from tests.models.tiny import tiny_masked_lm_folder
 from tests.service.localhost import start_privlm_on_free_port
 from tests.support.chat import TIMEOUT, B
@@ -102,15 +105,16 @@ def _chat(**changes: object) -> ChatSettings:
 
 def test_the_settings_ray_carries_round_trip_through_pickle(tmp_path):
     settings = GatewaySettings(
-        embeddings=EmbeddingsSettings("http://127.0.0.1:9", eta=50.0, budget=10.0, ledger=str(tmp_path / "e.sqlite")),
+        embeddings=EmbeddingsSettings(server="http://127.0.0.1:9", eta=50.0, budget=10.0,
+                                      ledger=str(tmp_path / "e.sqlite")),
         chat=_chat(budget=100.0, ledger=str(tmp_path / "c.sqlite"), guardrail=True), api_keys=("k",),
         allowed_hosts=("gateway.internal",), max_in_flight=16)
-    replicated = settings.for_replicas()
+    replicated = for_replicas(settings)
     for each in (settings, replicated):
         assert pickle.loads(pickle.dumps(each)) == each
     assert replicated.replicated and replicated.chat is not None
     assert replicated.chat.memory == str(tmp_path / "c.sqlite.memory")  # auto: beside the shared ledger
-    assert replicated.shared_files() == [str(tmp_path / "e.sqlite"), str(tmp_path / "c.sqlite"),
+    assert shared_files(replicated) == [str(tmp_path / "e.sqlite"), str(tmp_path / "c.sqlite"),
                                          str(tmp_path / "c.sqlite.memory")]
     error = pickle.loads(pickle.dumps(SettingError("must be > 0", "--chat-budget")))
     assert (error.problem, error.flag) == ("must be > 0", "--chat-budget")
@@ -118,28 +122,28 @@ def test_the_settings_ray_carries_round_trip_through_pickle(tmp_path):
 
 def test_a_database_ledger_is_passed_on_unchanged_with_one_secret_for_every_replica():
     url = "postgresql://privlm:pw@db.internal/ledger"
-    replicated = GatewaySettings(chat=_chat(budget=10.0, ledger=url)).for_replicas()
-    assert replicated.chat is not None and replicated.chat.ledger == url and replicated.shared_files() == []
+    replicated = for_replicas(GatewaySettings(chat=_chat(budget=10.0, ledger=url)))
+    assert replicated.chat is not None and replicated.chat.ledger == url and shared_files(replicated) == []
     assert replicated.chat.memory == url  # auto: the memory in the ledger's database
     secret = replicated.chat.ledger_secret  # resolved once, for every replica
     assert secret is not None and secret.endswith(".secret")
     assert "pw" not in Path(secret).name  # named by a digest of the URL, never the password
-    given = GatewaySettings(chat=_chat(budget=10.0, ledger=url, ledger_secret="team.secret")).for_replicas()
+    given = for_replicas(GatewaySettings(chat=_chat(budget=10.0, ledger=url, ledger_secret="team.secret")))
     assert given.chat is not None and given.chat.ledger_secret == str(Path("team.secret").absolute())
-    sqlite = GatewaySettings(chat=_chat(budget=10.0, ledger="l.sqlite")).for_replicas()
+    sqlite = for_replicas(GatewaySettings(chat=_chat(budget=10.0, ledger="l.sqlite")))
     assert sqlite.chat is not None and sqlite.chat.ledger_secret is None  # a SQLite ledger keeps <file>.secret
     with pytest.raises(SettingError) as caught:
         _chat(budget=10.0, ledger="l.sqlite", memory="off", ledger_secret="team.secret")
     assert caught.value.flag == "--chat-ledger-secret"
     with pytest.raises(SettingError) as caught:
-        EmbeddingsSettings("http://127.0.0.1:9", eta=50.0, budget=1.0, ledger="e.sqlite", ledger_secret="s")
+        EmbeddingsSettings(server="http://127.0.0.1:9", eta=50.0, budget=1.0, ledger="e.sqlite", ledger_secret="s")
     assert caught.value.flag == "--ledger-secret"
 
 
 @pytest.mark.parametrize(("memory", "budget"), [("process", 10.0), ("auto", None)])
 def test_replicas_refuse_a_memory_of_each_process(memory, budget):
     with pytest.raises(SettingError) as caught:
-        GatewaySettings(chat=_chat(memory=memory, budget=budget)).for_replicas()
+        for_replicas(GatewaySettings(chat=_chat(memory=memory, budget=budget)))
     assert caught.value.flag == "--chat-memory" and "each replica would keep its own" in caught.value.problem
 
 
@@ -156,6 +160,8 @@ def test_the_cli_refuses_ray_with_a_memory_of_each_process(tmp_path):
 
 
 def test_shipped_gateway_ray_config_is_valid_and_builds_the_app():
+    """deploy/gateway-ray.yaml validates against Ray's schema and builds the app from the gateway's own config file,
+    deploy/gateway.yaml (the one `privlm gateway --config` reads), with the keys beside it overriding it."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
@@ -164,10 +170,13 @@ def test_shipped_gateway_ray_config_is_valid_and_builds_the_app():
     config = yaml.safe_load((ROOT / "deploy" / "gateway-ray.yaml").read_text())
     application = ServeDeploySchema.model_validate(config).applications[0]
     assert application.import_path == "privlm.gateway.ray:app_builder"
-    deployment = app_builder(application.args)._bound_deployment
-    assert deployment.num_replicas == application.args["replicas"]
+    shipped = yaml.safe_load((ROOT / "deploy" / "gateway.yaml").read_text())
+    args = {**application.args, "config": str(ROOT / "deploy" / "gateway.yaml"), "replicas": 3}
+    deployment = app_builder(args)._bound_deployment
+    assert deployment.num_replicas == 3  # the key beside `config` wins
     [settings] = deployment.init_args
     assert isinstance(settings, GatewaySettings) and settings.replicated and settings.chat is not None
-    assert settings.chat.ledger == application.args["chat"]["ledger"] and settings.api_keys == ()
-    with pytest.raises(ValueError, match="unknown ChatSettings field"):
+    assert settings.chat.ledger == shipped["chat"]["ledger"] and settings.api_keys == ()
+    assert settings.chat.epsilon == shipped["chat"]["epsilon"] and settings.api_key_file == shipped["api_key_file"]
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) budgt"):
         app_builder({"chat": {"upstream": "http://x/v1", "epsilon": 1.0, "budgt": 3}})

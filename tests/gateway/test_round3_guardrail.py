@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from privlm.chat.service.upstream import ChatUpstream
 from privlm.gateway import ChatSetup, create_privacy_gateway
-from privlm.gateway.settings import GatewaySettings
+from privlm.settings.chat import ChatOptions
+from privlm.settings.gateway import GatewaySettings
 from tests.chat.test_round3_guardrail import Held, held_privacy
 from tests.service.localhost import serving
 from tests.support import litellm
@@ -72,8 +73,8 @@ def test_round3_8_the_gateway_flag_sets_the_guardrail_deadline(stub, started):
     assert settings.chat is not None and settings.chat.guardrail_deadline == 0.5
 
     held = Held()
-    setup = ChatSetup(privacy=held_privacy(held), upstream=ChatUpstream(stub.url), guardrail=True,
-                      guardrail_deadline=settings.chat.guardrail_deadline)
+    setup = ChatSetup(privacy=held_privacy(held), upstream=ChatUpstream(stub.url),
+                      options=ChatOptions(guardrail=True, guardrail_deadline=settings.chat.guardrail_deadline))
     with serving(create_privacy_gateway(chat=setup)) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         try:
             answer = http.post(GUARDRAIL, json=litellm.body(["Alice lives in Paris"]), headers=litellm.headers())

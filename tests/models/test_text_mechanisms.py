@@ -1,6 +1,8 @@
 """The text-mechanism registry: Cape and the baselines register by name, each in its own unit, and price their own
 releases."""
 
+from dataclasses import replace
+
 import pytest
 
 import privlm.baselines
@@ -10,6 +12,7 @@ from privlm.mechanisms import PrivacyUnit, make_generator
 from privlm.models.perturbation import TextPerturber
 from privlm.models.text_mechanisms import (
     MechanismContext,
+    TextMechanism,
     register_text_mechanism,
     text_mechanism,
     text_mechanism_names,
@@ -46,8 +49,8 @@ def test_a_wrong_name_is_refused_with_the_names_to_choose_from():
 def test_a_name_or_key_already_registered_is_refused(taken):
     before = text_mechanism_names()
     with pytest.raises(ValueError, match="already registered"):
-        register_text_mechanism(taken, text_mechanism("cape").factory, label="again", family="cape",
-                                unit=PrivacyUnit.EPSILON, description="a second cape")
+        register_text_mechanism(TextMechanism(name=taken, label="again", family="cape", unit=PrivacyUnit.EPSILON,
+                                              description="a second cape", factory=text_mechanism("cape").factory))
     assert text_mechanism_names() == before
 
 
@@ -57,8 +60,11 @@ def test_each_mechanism_builds_reports_its_unit_and_charges_its_own_price(kind, 
     for mechanism in text_mechanisms():
         if mechanism.causal_only and kind == "masked":
             with pytest.raises(ValueError, match="causal"):
+                mechanism.check_context(context, epsilon=3.0)  # refused before any build
+            with pytest.raises(ValueError, match="causal"):
                 mechanism.build(context, epsilon=3.0)
             continue
+        mechanism.check_context(context, epsilon=3.0)  # what builds passes the check
         ledger = Ledger(tmp_path / f"{mechanism.key}.db", budgets={mechanism.unit: 1e9})
         perturber = mechanism.build(context, epsilon=3.0, generator=make_generator(0), ledger=ledger,
                                     principal="alice")
@@ -66,6 +72,25 @@ def test_each_mechanism_builds_reports_its_unit_and_charges_its_own_price(kind, 
         report = perturber.perturb("Alice flew to Boston with her sister").report
         assert report.mechanism == mechanism.name and report.accounting["privlm"] > 0
         assert ledger.spent("alice", mechanism.unit) == pytest.approx(report.accounting["privlm"]) == report.spent
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_check_refuses_what_the_build_would_refuse_building_nothing(name):
+    def never(*_: object) -> TextPerturber:
+        raise AssertionError("the check built the mechanism")
+
+    mechanism = replace(text_mechanism(name), factory=never)
+    context = MechanismContext(tiny_causal_lm(), logit_bound=10.0)
+    mechanism.check_context(context, epsilon=3.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="epsilon"):
+            mechanism.check_context(context, epsilon=bad)
+    if name == "dp-prompt":
+        with pytest.raises(ValueError, match="logit bound B"):
+            mechanism.check_context(MechanismContext(tiny_causal_lm()), epsilon=3.0)
+    if mechanism.family == "cape" and not mechanism.causal_only:
+        with pytest.raises(TypeError, match="logit bound"):
+            mechanism.check_context(MechanismContext(tiny_causal_lm(), logit_bound="10"), epsilon=3.0)  # type: ignore[arg-type]
 
 
 def test_the_cli_help_names_every_registered_mechanism():

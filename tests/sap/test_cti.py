@@ -217,8 +217,8 @@ NEGATIVE_PIECES = {"worst", "hate", "delayed", "delay", "cancelled", "rude", "ne
 
 @pytest.fixture(scope="module")
 def tweet_report():
+    from privlm.data import load_tweets
     from privlm.models.loading import load_pretrained
-    from privlm_bench.data import load_tweets
 
     data = load_tweets(limit=2000, seed=0)
     tokenizer = load_pretrained("minilm", device=torch.device("cpu")).tokenizer

@@ -15,6 +15,7 @@ from privlm.mechanisms import PrivacyUnit
 from privlm.models.batching import pad_ids
 from privlm.sap import (
     CutGradient,
+    FitOptions,
     Forward,
     LoraSettings,
     OutputGradient,
@@ -351,7 +352,8 @@ def test_every_release_is_charged_before_it_leaves(make_parts, tmp_path: Path) -
 def test_fine_tune_chooses_the_epoch_on_validation_and_counts_what_crossed(make_parts) -> None:  # type: ignore[no-untyped-def]
     config = SapConfig(blocks=0, eta=50.0, epochs=3, batch_size=4)
     parties = connect(make_parts(config), config=config, n_classes=2)
-    result = fine_tune(parties, TEXTS, LABELS, TEXTS[:4], LABELS[:4], test_texts=TEXTS[4:], test_labels=LABELS[4:])
+    result = fine_tune(parties, TEXTS, LABELS, TEXTS[:4], LABELS[:4],
+                       options=FitOptions(test_texts=TEXTS[4:], test_labels=LABELS[4:]))
     assert len(result.epochs) == 3 and result.steps == 6
     best = max(e.validation_accuracy for e in result.epochs)
     assert result.best.validation_accuracy == best

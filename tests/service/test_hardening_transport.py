@@ -318,7 +318,7 @@ def test_finding_10_services_with_keys_or_allowed_hosts_answer_other_hosts():
 
 
 def test_finding_10_the_cli_refuses_a_keyless_service_beyond_loopback(monkeypatch):
-    from privlm.cli.snd import _service_options
+    from privlm.settings.service import ServiceSettings
 
     for name in KEY_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -329,9 +329,9 @@ def test_finding_10_the_cli_refuses_a_keyless_service_beyond_loopback(monkeypatc
         assert result.exit_code == 2, (args, result.output)
         said = " ".join(re.sub("[\u2500-\u257f]", " ", result.output).split())  # without rich's box
         assert "no API key is set" in said and "--allow-keyless" in said
-    assert _service_options(host="0.0.0.0", keys=("k",), allow_keyless=False, docs=False) == {"docs": False}
-    assert _service_options(host="localhost", keys=(), allow_keyless=False, docs=False) == {"docs": False}
-    opened = _service_options(host="0.0.0.0", keys=(), allow_keyless=True, docs=False)
+    beyond, loopback = ServiceSettings(host="0.0.0.0"), ServiceSettings(host="localhost")
+    assert beyond.exposed(("k",)).options() == loopback.exposed(()).options() == {"docs": False, "max_in_flight": 32}
+    opened = ServiceSettings(host="0.0.0.0", allow_keyless=True).exposed(()).options()
     assert opened["allowed_hosts"] == ["*"]  # open on purpose: remote callers' Host names are answered
 
 
@@ -467,4 +467,5 @@ def test_finding_10_ray_replicas_take_the_same_options():
     ray = pytest.importorskip("privlm.snd.service.ray")
     deployment = ray.app_builder({"model": "minilm", "allowed_hosts": "embeddings.internal, *",
                                   "max_in_flight": "8"})._bound_deployment
-    assert deployment.init_kwargs["service"] == {"allowed_hosts": ["embeddings.internal", "*"], "max_in_flight": 8}
+    [settings] = deployment.init_args
+    assert settings.options() == {"docs": False, "allowed_hosts": ["embeddings.internal", "*"], "max_in_flight": 8}

@@ -7,7 +7,7 @@ import torch
 from rich.console import Console
 
 from privlm.mechanisms import make_generator
-from privlm.snd import SnDEncoder, load_denoiser, read_card
+from privlm.snd import EncoderOptions, SnDEncoder, load_denoiser, read_card
 from privlm.snd.training import DenoiserTrainer, TrainingConfig
 from tests.models.tiny import tiny_model
 from tests.snd.conftest import TEXTS
@@ -121,7 +121,7 @@ def test_over_long_texts_warn_with_a_count_or_raise(trained, tiny_bert):
         encoded = encoder.encode_with_report(["a dog", long_text])
     assert encoded.vectors.shape[0] == 2 and encoded.report.truncated == 1
     assert encoded.report.truncated_indices == [1]
-    strict = SnDEncoder(tiny_bert, eta=5.0, denoiser=out, truncation="error")
+    strict = SnDEncoder(tiny_bert, eta=5.0, denoiser=out, options=EncoderOptions(truncation="error"))
     with pytest.raises(ValueError, match="longer than max_length"):
         strict.encode(["a dog", long_text])
     assert strict.encode_with_report(["a dog", long_text], truncation="count").report.truncated == 1  # no warning

@@ -25,12 +25,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from privlm.accounting import Ledger
-from privlm.chat.service.completions import create_chat_gateway
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.chat.service.upstream import ChatUpstream
 from privlm.mechanisms import PrivacyUnit, Spend
 from privlm.models.perturbation import PerturbedPrompt, PromptReport, TokenOutcome, TokenRecord
 from tests.service.localhost import serving
+from tests.support.gateway import chat_app
 
 EPS = 6.0
 B = 30.0  # a fixed logit bound: no calibration in these tests
@@ -162,10 +162,10 @@ async def _stream(*, stall: bool) -> AsyncIterator[bytes]:
 @contextmanager
 def chat_gateway(privacy: PromptPrivacy, upstream_url: str, *, read_timeout: float = 300.0,
                  upstream_key: str | None = None, **options: Any) -> Iterator[str]:
-    """``create_chat_gateway`` (``options``) on a real uvicorn server, forwarding to ``upstream_url`` with
-    ``upstream_key``; yields its base URL."""
+    """The chat gateway (:func:`tests.support.gateway.chat_app`, ``options``) on a real uvicorn server, forwarding to
+    ``upstream_url`` with ``upstream_key``; yields its base URL."""
     upstream = ChatUpstream(upstream_url, read_timeout=read_timeout, api_key=upstream_key)
-    with serving(create_chat_gateway(privacy, upstream, **options)) as url:
+    with serving(chat_app(privacy, upstream, **options)) as url:
         yield url
 
 

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from privlm.settings.locations import is_database_url
+
 SQLITE_BUSY_TIMEOUT_S = 60.0
-POSTGRES_SCHEMES = ("postgresql", "postgres")
 CONNECT_TIMEOUT_S = 5  # a server that does not answer in this long counts as unreachable
 STATEMENT_TIMEOUT_MS = 15_000  # no ledger statement takes this long, not even behind a busy key's row lock
 # A server gone silent (a partition) is noticed in seconds, not after the OS's minutes or hours: by keepalives on an
@@ -78,11 +79,6 @@ class Session(Protocol):
     def execute_many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         """Run ``sql`` once per row of parameters."""
         ...
-
-
-def is_database_url(location: str | Path) -> bool:
-    """Whether ``location`` names a PostgreSQL server (``postgresql://...``) rather than a SQLite file."""
-    return isinstance(location, str) and urlsplit(location).scheme in POSTGRES_SCHEMES
 
 
 def redacted(url: str) -> str:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from privlm._validation import check_non_negative_finite, check_positive_finite
 from privlm.accounting.database import Database, Dialect, Session, SqliteDatabase, is_database_url, open_database
 from privlm.accounting.principals import (
     LEGACY_KEY_ID,
@@ -35,6 +34,7 @@ from privlm.accounting.principals import (
     secret_path_of,
 )
 from privlm.mechanisms import PrivacyUnit, Spend
+from privlm.validation import check_non_negative_finite, check_positive_finite
 
 
 def _schema(dialect: Dialect) -> list[str]:

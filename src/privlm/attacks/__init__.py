@@ -1,7 +1,8 @@
 """Privacy attacks on privatized artefacts; each returns its success rate with a confidence interval."""
 
-from privlm.attacks.attribute import attribute_inference, pool_representations
+from privlm.attacks.attribute import AttributeInferenceConfig, attribute_inference, pool_representations
 from privlm.attacks.audit import (
+    AuditConfig,
     AuditResult,
     audit_mechanism,
     audit_samples,
@@ -9,7 +10,10 @@ from privlm.attacks.audit import (
     clopper_pearson_upper,
 )
 from privlm.attacks.gradient_inversion import (
+    GradientInversionConfig,
     InversionModel,
+    InversionModelConfig,
+    RefinementInputs,
     fit_inversion_model,
     gradient_inversion,
     learned_inversion,
@@ -28,6 +32,7 @@ from privlm.attacks.label_inference import (
 )
 from privlm.attacks.llm_reconstruction import (
     REWRITE_INSTRUCTION,
+    LLMReconstructionConfig,
     PromptRestoration,
     Reconstruction,
     chat_rewriter,
@@ -40,6 +45,7 @@ from privlm.attacks.lm_inversion import (
     CausalLMPrior,
     DChiNoise,
     Inversion,
+    LMInversionConfig,
     NGramPrior,
     NoiseModel,
     ReleasedTokenNoise,
@@ -48,13 +54,17 @@ from privlm.attacks.lm_inversion import (
     estimate_eta,
     lm_inversion,
 )
-from privlm.attacks.masked_token import masked_token_inference
+from privlm.attacks.masked_token import MaskedTokenConfig, masked_token_inference
 from privlm.attacks.mutual_information import (
     kozachenko_leonenko_entropy,
     kth_neighbour_distances,
     mutual_information,
 )
-from privlm.attacks.optimisation_inversion import optimisation_inversion, temperature_schedule
+from privlm.attacks.optimisation_inversion import (
+    OptimisationInversionConfig,
+    optimisation_inversion,
+    temperature_schedule,
+)
 from privlm.attacks.results import AttackResult, ScoreResult, binomial_ci, score_result
 from privlm.attacks.text_metrics import (
     effective_mapping_set_size,
@@ -68,15 +78,24 @@ from privlm.attacks.text_metrics import (
 __all__ = [
     "REWRITE_INSTRUCTION",
     "AttackResult",
+    "AttributeInferenceConfig",
+    "AuditConfig",
     "AuditResult",
     "CausalLMPrior",
     "DChiNoise",
+    "GradientInversionConfig",
     "Inversion",
     "InversionModel",
+    "InversionModelConfig",
+    "LLMReconstructionConfig",
+    "LMInversionConfig",
+    "MaskedTokenConfig",
     "NGramPrior",
     "NoiseModel",
+    "OptimisationInversionConfig",
     "PromptRestoration",
     "Reconstruction",
+    "RefinementInputs",
     "ReleasedTokenNoise",
     "ScoreResult",
     "TokenPrior",

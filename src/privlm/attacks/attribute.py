@@ -17,6 +17,7 @@ mask is given).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -28,8 +29,8 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from privlm._validation import check_choice, check_positive_int
 from privlm.attacks.results import AttackResult
+from privlm.validation import check_choice, check_positive_int
 
 CLASSIFIERS = ("logistic", "mlp")
 # MLP early stopping: sklearn scores the held-out 10% by accuracy, which plateaus for many epochs at
@@ -96,34 +97,42 @@ def _macro_auc(test_y: np.ndarray, probabilities: np.ndarray, classes: np.ndarra
     return float(roc_auc_score(test_y, probabilities, multi_class="ovr", average="macro", labels=classes))
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttributeInferenceConfig:
+    """The attacker's classifier in :func:`attribute_inference`."""
+
+    classifier: Literal["logistic", "mlp"] = "logistic"
+    hidden_size: int | None = None  # the MLP's hidden layer; None: the representations' dimension d
+    max_iter: int = 1000  # sklearn's iteration budget for either classifier
+
+
 def attribute_inference(
     train_x: ArrayLike,
     train_y: ArrayLike,
     test_x: ArrayLike,
     test_y: ArrayLike,
     *,
-    classifier: Literal["logistic", "mlp"] = "logistic",
-    seed: int = 0,
     train_mask: ArrayLike | None = None,
     test_mask: ArrayLike | None = None,
-    hidden_size: int | None = None,
-    max_iter: int = 1000,
+    seed: int = 0,
+    config: AttributeInferenceConfig = AttributeInferenceConfig(),
 ) -> AttackResult:
     """Accuracy of a classifier trained on (train_x, train_y) at predicting test_y from test_x.
 
     ``train_x``/``test_x`` are (n, d) representations, or (n, L, d) token representations that are
     mean-pooled over ``train_mask``/``test_mask`` (n, L). ``seed`` fixes the classifier's own
-    randomness (sklearn ``random_state``). ``chance`` = share of test labels equal to the train
-    majority class; ``details`` hold the macro OvR ``auc`` (None when undefined), the classifier and the
-    attack's wall time (``seconds``).
+    randomness (sklearn ``random_state``); ``config`` chooses the classifier. ``chance`` = share of test
+    labels equal to the train majority class; ``details`` hold the macro OvR ``auc`` (None when undefined),
+    the classifier and the attack's wall time (``seconds``).
     """
     start = time.perf_counter()
+    classifier = config.classifier
     check_choice("classifier", classifier, CLASSIFIERS)
-    max_iter = check_positive_int("max_iter", max_iter)
+    max_iter = check_positive_int("max_iter", config.max_iter)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    if hidden_size is not None:
-        check_positive_int("hidden_size", hidden_size)
+    if config.hidden_size is not None:
+        check_positive_int("hidden_size", config.hidden_size)
     x_train = pool_representations(train_x, train_mask, name="train_x")
     x_test = pool_representations(test_x, test_mask, name="test_x")
     if x_train.shape[1] != x_test.shape[1]:
@@ -132,7 +141,7 @@ def attribute_inference(
     classes, counts = np.unique(y_train, return_counts=True)
     if classes.size < 2:
         raise ValueError("train_y must contain at least two classes")
-    pipeline = _make_classifier(classifier, dim=x_train.shape[1], seed=seed, hidden_size=hidden_size,
+    pipeline = _make_classifier(classifier, dim=x_train.shape[1], seed=seed, hidden_size=config.hidden_size,
                                 max_iter=max_iter)
     pipeline.fit(x_train, y_train)
     predictions = pipeline.predict(x_test)

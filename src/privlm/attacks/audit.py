@@ -35,8 +35,8 @@ import torch
 from rich.progress import Progress
 from scipy import stats
 
-from privlm._validation import check_in_interval, check_non_negative_finite, check_positive_int
 from privlm.mechanisms import DiscreteMechanism, Mechanism, OutputKind, exact_privacy_loss, make_generator
+from privlm.validation import check_in_interval, check_non_negative_finite, check_positive_int
 
 Kind = OutputKind  # "continuous" (vectors) or "discrete" (ids)
 
@@ -251,6 +251,56 @@ def _through_protocol(mechanism: Mechanism) -> Sampler:
     return sample
 
 
+@dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    """How :func:`audit_mechanism` tests and draws; the defaults suit any mechanism."""
+
+    alpha: float = 0.05  # the bound holds with probability >= 1 - alpha
+    statistic: Statistic | Literal["distance", "projection"] | None = None  # continuous outputs: see audit_samples
+    chunk_size: int = 250_000  # draws per call of the sampler: bounds the memory of one call
+    progress: bool = False  # a progress bar while sampling (only with more than one chunk)
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """The sampler of a mechanism, its output kind, the claimed epsilon and the exact one (when known)."""
+
+    sampler: Sampler
+    kind: Kind
+    claimed_epsilon: float | None
+    exact_epsilon: float | None
+
+
+def _sampling(mechanism: Mechanism | Sampler, x: torch.Tensor, x_prime: torch.Tensor, kind: Kind | None,
+              claimed_epsilon: float | None) -> _Sampling:
+    """A privlm mechanism derives its kind, claim and exact epsilon; a user sampler needs ``kind``."""
+    if isinstance(mechanism, Mechanism):
+        claimed = mechanism.privacy_bound(x, x_prime) if claimed_epsilon is None else claimed_epsilon
+        exact = None
+        if isinstance(mechanism, DiscreteMechanism):
+            exact = exact_privacy_loss(mechanism.log_probabilities(x), mechanism.log_probabilities(x_prime)).item()
+        return _Sampling(_through_protocol(mechanism), mechanism.output_kind, claimed, exact)
+    if callable(mechanism):
+        if kind is None:
+            raise ValueError("kind must be 'continuous' or 'discrete' for a user-supplied sampler")
+        return _Sampling(mechanism, kind, claimed_epsilon, None)
+    raise ValueError(f"mechanism must be a privlm mechanism or a callable, got {type(mechanism).__name__}")
+
+
+def _draw(sampler: Sampler, points: tuple[torch.Tensor, torch.Tensor], n_samples: int, config: AuditConfig,
+          generator: torch.Generator) -> list[np.ndarray]:
+    """``n_samples`` draws for each point, in chunks of ``config.chunk_size``, as numpy arrays."""
+    chunks = [min(config.chunk_size, n_samples - start) for start in range(0, n_samples, config.chunk_size)]
+    draws: list[list[torch.Tensor | np.ndarray]] = [[], []]
+    with Progress(disable=not config.progress or len(chunks) == 1, transient=True) as bar:
+        task = bar.add_task("sampling", total=2 * n_samples)
+        for which, point in enumerate(points):
+            for size in chunks:
+                draws[which].append(sampler(point, size, generator))
+                bar.advance(task, size)
+    return [np.concatenate([torch.as_tensor(d).detach().cpu().numpy() for d in side]) for side in draws]
+
+
 def audit_mechanism(
     mechanism: Mechanism | Sampler,
     x: torch.Tensor,
@@ -258,12 +308,9 @@ def audit_mechanism(
     *,
     n_samples: int = 100_000,
     kind: Kind | None = None,
-    alpha: float = 0.05,
-    statistic: Statistic | Literal["distance", "projection"] | None = None,
     claimed_epsilon: float | None = None,
     generator: torch.Generator | None = None,
-    chunk_size: int = 250_000,
-    progress: bool = False,
+    config: AuditConfig = AuditConfig(),
 ) -> AuditResult:
     """Draw ``n_samples`` outputs of M(x) and of M(x') and audit them with :func:`audit_samples`.
 
@@ -273,10 +320,12 @@ def audit_mechanism(
     :func:`bucketized_pair_bound`, which holds whenever each row spans at most the sensitivity), or any callable
     ``sample(input, n, generator)``, for which ``kind`` is required. ``claimed_epsilon`` overrides
     the derived claim. Draws come from ``generator`` (OS-seeded when None; pass
-    ``make_generator(seed)`` only to replay), in chunks of ``chunk_size``; so does the split's seed.
+    ``make_generator(seed)`` only to replay), in chunks of ``config.chunk_size``; so does the split's seed.
+    ``config`` holds the level ``alpha`` and the ``statistic`` (see :class:`AuditConfig`).
     """
-    n_samples, chunk_size = check_positive_int("n_samples", n_samples), check_positive_int("chunk_size", chunk_size)
-    _check_alpha(alpha)  # fail before sampling
+    n_samples = check_positive_int("n_samples", n_samples)
+    check_positive_int("chunk_size", config.chunk_size)
+    _check_alpha(config.alpha)  # fail before sampling
     if n_samples < MIN_SAMPLES:
         raise ValueError(f"n_samples must be at least {MIN_SAMPLES}, got {n_samples}")
     for name, point in (("x", x), ("x_prime", x_prime)):
@@ -284,32 +333,12 @@ def audit_mechanism(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(point).__name__}")
     if x.shape != x_prime.shape:
         raise ValueError(f"x and x_prime must have the same shape, got {tuple(x.shape)} and {tuple(x_prime.shape)}")
-    exact = None
-    if isinstance(mechanism, Mechanism):
-        sampler, kind = _through_protocol(mechanism), mechanism.output_kind
-        if claimed_epsilon is None:
-            claimed_epsilon = mechanism.privacy_bound(x, x_prime)
-        if isinstance(mechanism, DiscreteMechanism):
-            exact = exact_privacy_loss(mechanism.log_probabilities(x), mechanism.log_probabilities(x_prime)).item()
-    elif callable(mechanism):
-        if kind is None:
-            raise ValueError("kind must be 'continuous' or 'discrete' for a user-supplied sampler")
-        sampler = mechanism
-    else:
-        raise ValueError(f"mechanism must be a privlm mechanism or a callable, got {type(mechanism).__name__}")
+    sampling = _sampling(mechanism, x, x_prime, kind, claimed_epsilon)
     generator = make_generator(device=x.device) if generator is None else generator
-    chunks = [min(chunk_size, n_samples - start) for start in range(0, n_samples, chunk_size)]
-    draws: list[list[torch.Tensor | np.ndarray]] = [[], []]
-    with Progress(disable=not progress or len(chunks) == 1, transient=True) as bar:
-        task = bar.add_task("sampling", total=2 * n_samples)
-        for which, point in enumerate((x, x_prime)):
-            for size in chunks:
-                draws[which].append(sampler(point, size, generator))
-                bar.advance(task, size)
-    samples = [np.concatenate([torch.as_tensor(d).detach().cpu().numpy() for d in side]) for side in draws]
-    is_output_shaped = kind == "continuous" and samples[0].ndim == 2 and samples[0].shape[1] == x.numel()
+    samples = _draw(sampling.sampler, (x, x_prime), n_samples, config, generator)
+    is_output_shaped = sampling.kind == "continuous" and samples[0].ndim == 2 and samples[0].shape[1] == x.numel()
     split_seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-    result = audit_samples(samples[0], samples[1], kind=kind, alpha=alpha, statistic=statistic,
+    result = audit_samples(samples[0], samples[1], kind=sampling.kind, alpha=config.alpha, statistic=config.statistic,
                            reference=(x, x_prime) if is_output_shaped else None,
-                           claimed_epsilon=claimed_epsilon, rng=split_seed)
-    return replace(result, exact_epsilon=exact)
+                           claimed_epsilon=sampling.claimed_epsilon, rng=split_seed)
+    return replace(result, exact_epsilon=sampling.exact_epsilon)

@@ -44,29 +44,31 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from privlm._validation import (
+from privlm.attacks._checks import check_ids, check_mask
+from privlm.attacks.optimisation_inversion import (
+    BottomForward,
+    OptimisationInversionConfig,
+    _check_inputs,
+    _frozen,
+    _invert_chunk,
+    _modules_of,
+    _Relaxation,
+    _relaxation_of,
+)
+from privlm.attacks.results import AttackResult
+from privlm.mechanisms.randomness import resolve_generator
+from privlm.validation import (
     check_float_tensor,
     check_non_negative_finite,
     check_positive_finite,
     check_positive_int,
 )
-from privlm.attacks._checks import check_ids, check_mask
-from privlm.attacks.optimisation_inversion import (
-    BottomForward,
-    _check_inputs,
-    _frozen,
-    _invert_chunk,
-    _modules_of,
-    temperature_schedule,
-)
-from privlm.attacks.results import AttackResult
-from privlm.mechanisms.randomness import resolve_generator
 
 GradientForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(cut rows (b, L, d), attention mask (b, L), example indices (b,)) -> the customer's gradient (b, D)."""
@@ -157,17 +159,27 @@ def _calibrate(scores: tuple[torch.Tensor, torch.Tensor], log_prior: torch.Tenso
     return a_1 / units[0], a_2 / units[1], c
 
 
+@dataclass(frozen=True, kw_only=True)
+class InversionModelConfig:
+    """How :func:`fit_inversion_model` fits the learned inversion (see the module docstring, step 1)."""
+
+    linear_map: bool = True  # False: no ridge map (e^ = x), for rows already in the embedding space (k = 0)
+    window: int = 1  # w: the ridge map reads the rows i - w .. i + w
+    ridge: float = 1.0  # lambda, the ridge penalty
+    smoothing: float = 1.0  # added to every token count of the prior pi (1: add-one)
+
+
 def fit_inversion_model(rows: torch.Tensor, attention_mask: torch.Tensor, true_ids: torch.Tensor,
-                        vocabulary: torch.Tensor, *, mask: torch.Tensor | None = None, linear_map: bool = True,
-                        window: int = 1, ridge: float = 1.0, smoothing: float = 1.0,
-                        generator: torch.Generator | None = None) -> InversionModel:
+                        vocabulary: torch.Tensor, *, mask: torch.Tensor | None = None,
+                        generator: torch.Generator | None = None,
+                        config: InversionModelConfig = InversionModelConfig()) -> InversionModel:
     """Fit the learned inversion on the attacker's own (released rows, token ids) pairs of public text.
 
     ``rows`` (N, L, d) are the attacker's simulated releases (its public text through the pre-trained bottom and
     the mechanism); ``mask`` (default: the attention mask) selects the positions to learn from (e.g. without special
-    tokens). ``linear_map=False`` skips the ridge map (e^ = x), for rows that already live in the embedding space
-    (k = 0). A seeded fifth of the selected positions (at most :data:`CALIBRATION_POSITIONS`) calibrates (a, c);
-    the ridge map and the prior come from the rest.
+    tokens). ``config.linear_map=False`` skips the ridge map (e^ = x), for rows that already live in the embedding
+    space (k = 0). A fifth of the selected positions (at most :data:`CALIBRATION_POSITIONS`), drawn with
+    ``generator``, calibrates (a, c); the ridge map and the prior come from the rest.
     """
     check_float_tensor("rows", rows, ndim=3)
     table = check_float_tensor("vocabulary", vocabulary, ndim=2).detach().to(rows)
@@ -177,10 +189,11 @@ def fit_inversion_model(rows: torch.Tensor, attention_mask: torch.Tensor, true_i
     if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
         raise ValueError(f"attention_mask must be a tensor of shape {tuple(ids.shape)}")
     counted = attention_mask.bool() if mask is None else check_mask("mask", mask, shape=ids.shape)
+    linear_map, window = config.linear_map, config.window
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be a non-negative integer, got {window!r}")
-    ridge = check_positive_finite("ridge", ridge)
-    smoothing = check_positive_finite("smoothing", smoothing)
+    ridge = check_positive_finite("ridge", config.ridge)
+    smoothing = check_positive_finite("smoothing", config.smoothing)
     features = _features(rows.detach(), attention_mask.to(rows.device), window)[counted.to(rows.device)]
     targets = ids[counted.to(rows.device)]
     n = targets.numel()
@@ -218,10 +231,27 @@ def learned_inversion(observed: torch.Tensor, attention_mask: torch.Tensor, mode
 # --- the relaxed-token refinement, with a gradient term ----------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class GradientInversionConfig(OptimisationInversionConfig):
+    """:class:`OptimisationInversionConfig`'s optimisation, plus the weight of the gradient term."""
+
+    gradient_weight: float = 0.0  # lambda_g; 0: the forward-only optimisation
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefinementInputs:
+    """What :func:`gradient_inversion` uses beside the forward rows: the returned gradients with the attacker's
+    model of them (both needed when ``gradient_weight`` > 0), and where the relaxed tokens start."""
+
+    observed_gradients: torch.Tensor | None = None  # (B, D): what the customer returned for each example
+    gradient_forward: GradientForward | None = None  # the attacker's G (see GradientForward)
+    init_logits: torch.Tensor | None = None  # (B, L, |V|), e.g. InversionModel.log_posterior: start at q
+    generator: torch.Generator | None = None  # draws the random start without init_logits (OS-seeded when None)
+
+
 @dataclass(frozen=True)
 class _Objective:
-    bottom_forward: BottomForward
-    vocabulary: torch.Tensor
+    relaxation: _Relaxation
     gradient_forward: GradientForward | None
     gradient_weight: float
 
@@ -238,8 +268,7 @@ def _gradient_term(objective: _Objective, rows: torch.Tensor, attention_mask: to
 
 
 def _refine_chunk(objective: _Objective, observed: torch.Tensor, attention_mask: torch.Tensor,
-                  gradients: torch.Tensor | None, index: torch.Tensor, init: torch.Tensor | None,
-                  schedule: list[float], lr: float, generator: torch.Generator) -> torch.Tensor:
+                  gradients: torch.Tensor | None, index: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:
     """argmax of the optimised logits (b, L) for one chunk: optimisation_inversion's loop (the same random start
     without ``init``, so weight 0 reproduces it), plus the gradient term."""
     extra = None
@@ -250,14 +279,14 @@ def _refine_chunk(objective: _Objective, observed: torch.Tensor, attention_mask:
             return objective.gradient_weight * _gradient_term(objective, output, attention_mask, index,
                                                               observed_gradients)
 
-    return _invert_chunk(observed, attention_mask, objective.bottom_forward, objective.vocabulary, schedule, lr,
-                         generator, init=None if init is None else schedule[0] * init, extra_loss=extra)
+    start = None if init is None else objective.relaxation.schedule[0] * init
+    return _invert_chunk(objective.relaxation, observed, attention_mask, init=start, extra_loss=extra)
 
 
-def _check_gradient_inputs(observed: torch.Tensor, observed_gradients: object, gradient_forward: object,
-                           gradient_weight: object, init_logits: object, vocab_size: int
-                           ) -> tuple[torch.Tensor | None, float, torch.Tensor | None]:
+def _check_gradient_inputs(observed: torch.Tensor, inputs: RefinementInputs, gradient_weight: object,
+                           vocab_size: int) -> tuple[torch.Tensor | None, float, torch.Tensor | None]:
     weight = check_non_negative_finite("gradient_weight", gradient_weight)
+    gradient_forward = inputs.gradient_forward
     if gradient_forward is not None and not callable(gradient_forward):
         raise ValueError(f"gradient_forward must be callable (a GradientForward), got "
                          f"{type(gradient_forward).__name__}")
@@ -265,13 +294,13 @@ def _check_gradient_inputs(observed: torch.Tensor, observed_gradients: object, g
     if weight > 0:
         if gradient_forward is None:
             raise ValueError("gradient_forward must be callable when gradient_weight > 0")
-        gradients = check_float_tensor("observed_gradients", observed_gradients, ndim=2).detach()
+        gradients = check_float_tensor("observed_gradients", inputs.observed_gradients, ndim=2).detach()
         if gradients.shape[0] != observed.shape[0]:
             raise ValueError(f"observed_gradients has {gradients.shape[0]} rows for {observed.shape[0]} examples")
         gradients = gradients.to(observed)
     init = None
-    if init_logits is not None:
-        init = check_float_tensor("init_logits", init_logits, ndim=3).detach()
+    if inputs.init_logits is not None:
+        init = check_float_tensor("init_logits", inputs.init_logits, ndim=3).detach()
         if tuple(init.shape) != (*observed.shape[:2], vocab_size):
             raise ValueError(f"init_logits has shape {tuple(init.shape)}, expected "
                              f"{(*observed.shape[:2], vocab_size)}")
@@ -285,61 +314,47 @@ def gradient_inversion(
     vocabulary: torch.Tensor,
     true_ids: torch.Tensor,
     *,
-    observed_gradients: torch.Tensor | None = None,
-    gradient_forward: GradientForward | None = None,
-    gradient_weight: float = 0.0,
-    init_logits: torch.Tensor | None = None,
+    inputs: RefinementInputs = RefinementInputs(),
     mask: torch.Tensor | None = None,
-    steps: int = 200,
-    lr: float = 0.03,
-    temperature: Sequence[float] = (1.0, 0.05),
-    batch_size: int = 32,
-    generator: torch.Generator | None = None,
-    name: str | None = None,
+    config: GradientInversionConfig = GradientInversionConfig(),
 ) -> AttackResult:
-    """Recover the tokens behind ``observed`` from the forward rows and, with ``gradient_weight`` > 0, the returned
-    gradients ``observed_gradients`` (B, D), through ``gradient_forward`` (see :data:`GradientForward`; it gets the
-    rows the bottom would give for the relaxed tokens and the examples' indices into ``observed``).
+    """Recover the tokens behind ``observed`` from the forward rows and, with ``config.gradient_weight`` > 0, the
+    returned gradients ``inputs.observed_gradients`` (B, D), through ``inputs.gradient_forward`` (see
+    :data:`GradientForward`; it gets the rows the bottom would give for the relaxed tokens and the examples'
+    indices into ``observed``).
 
-    ``init_logits`` (B, L, |V|), e.g. :meth:`InversionModel.log_posterior`, starts the relaxed tokens at that
-    posterior (random near-uniform logits otherwise). The other arguments are those of
-    :func:`~privlm.attacks.optimisation_inversion.optimisation_inversion`, which this equals at weight 0 without
-    ``init_logits``.
+    ``inputs.init_logits`` (B, L, |V|), e.g. :meth:`InversionModel.log_posterior`, starts the relaxed tokens at that
+    posterior (random near-uniform logits, drawn with ``inputs.generator``, otherwise). The other arguments are
+    those of :func:`~privlm.attacks.optimisation_inversion.optimisation_inversion`, which this equals at weight 0
+    without ``init_logits``.
     """
     start = time.perf_counter()
     ids, attention_mask, counted = _check_inputs(observed, attention_mask, vocabulary, true_ids, mask)
-    if not callable(bottom_forward):
-        raise ValueError(f"bottom_forward must be callable, got {type(bottom_forward).__name__}")
-    gradients, weight, init = _check_gradient_inputs(observed, observed_gradients, gradient_forward, gradient_weight,
-                                                     init_logits, vocabulary.shape[0])
-    schedule = temperature_schedule(temperature, check_positive_int("steps", steps))
-    lr = check_positive_finite("lr", lr)
-    batch_size = check_positive_int("batch_size", batch_size)
-    generator = resolve_generator(generator, observed.device)
-    objective = _Objective(bottom_forward=bottom_forward,
-                           vocabulary=vocabulary.detach().to(device=observed.device, dtype=observed.dtype),
-                           gradient_forward=gradient_forward, gradient_weight=weight)
+    relaxation = _relaxation_of(config, observed, bottom_forward, vocabulary, inputs.generator)
+    gradients, weight, init = _check_gradient_inputs(observed, inputs, config.gradient_weight, vocabulary.shape[0])
+    batch_size = check_positive_int("batch_size", config.batch_size)
+    objective = _Objective(relaxation=relaxation, gradient_forward=inputs.gradient_forward, gradient_weight=weight)
     target = observed.detach()
     predictions = []
-    modules = _modules_of(bottom_forward) + _modules_of(gradient_forward)
-    with _frozen(modules), torch.enable_grad():
+    with _frozen(_modules_of(bottom_forward) + _modules_of(inputs.gradient_forward)), torch.enable_grad():
         for first in range(0, target.shape[0], batch_size):
             rows = slice(first, first + batch_size)
             index = torch.arange(target.shape[0], device=target.device)[rows]
             predictions.append(_refine_chunk(
                 objective, target[rows], attention_mask[rows], None if gradients is None else gradients[rows],
-                index, None if init is None else init[rows], schedule, lr, generator))
+                index, None if init is None else init[rows]))
     counted = counted.to(ids.device)
     hits = torch.cat(predictions).to(ids.device)[counted] == ids[counted]
-    details: dict[str, Any] = {"steps": len(schedule), "lr": lr, "batch_size": batch_size,
-                               "temperature": (float(temperature[0]), float(temperature[1])),
+    details: dict[str, Any] = {"steps": len(relaxation.schedule), "lr": relaxation.lr, "batch_size": batch_size,
+                               "temperature": (float(config.temperature[0]), float(config.temperature[1])),
                                "gradient_weight": weight, "with_gradient_term": weight > 0,
                                "init": "learned" if init is not None else "random",
                                "vocab_size": int(vocabulary.shape[0]), "seconds": time.perf_counter() - start}
     default = "gradient-inversion" if weight > 0 else "forward-inversion"
-    return AttackResult(name=name or default, successes=int(hits.sum()), trials=int(hits.numel()),
+    return AttackResult(name=config.name or default, successes=int(hits.sum()), trials=int(hits.numel()),
                         chance=1 / vocabulary.shape[0], details=details)
 
 
-__all__ = ["CALIBRATION_POSITIONS", "GradientForward", "InversionModel", "fit_inversion_model", "gradient_inversion",
+__all__ = ["CALIBRATION_POSITIONS", "GradientForward", "GradientInversionConfig", "InversionModel",
+           "InversionModelConfig", "RefinementInputs", "fit_inversion_model", "gradient_inversion",
            "learned_inversion"]

@@ -34,10 +34,10 @@ from collections.abc import Sequence
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_int
 from privlm.attacks._checks import check_ids, check_mask
 from privlm.attacks.results import AttackResult
 from privlm.mechanisms import nearest_neighbours
+from privlm.validation import check_float_tensor, check_positive_int
 
 KNN_TOP_K = 10  # the KNN attack of the Cape and SANTEXT papers: success if the original is in the top 10
 

@@ -49,8 +49,8 @@ from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import roc_auc_score
 
-from privlm._validation import check_positive_int
 from privlm.attacks.results import AttackResult
+from privlm.validation import check_positive_int
 
 ArrayLike = np.ndarray | torch.Tensor
 KMEANS_RESTARTS = 10

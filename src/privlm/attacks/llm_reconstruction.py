@@ -41,16 +41,16 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from privlm._validation import check_positive_int
 from privlm.attacks.results import AttackResult, ScoreResult, score_result
 from privlm.attacks.text_metrics import rouge_l_f1, rouge_words
 from privlm.models.chat import ChatModel, check_sampling
 from privlm.models.kv_cache import cache_of, with_cache
+from privlm.validation import check_positive_int
 
 if TYPE_CHECKING:
     from transformers import Cache
@@ -68,6 +68,17 @@ class Reconstruction:
     def restored(self) -> tuple[torch.Tensor, ...]:
         """Per sequence, the best candidate of each attacked position."""
         return tuple(r[:, 0] for r in self.ranked)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMReconstructionConfig:
+    """The candidates and their ranking in :func:`llm_reconstruction`, :func:`fit_released_log_odds` and
+    :func:`rank_candidates`."""
+
+    shortlist: int = 32  # candidates per position: the likeliest under the left context
+    top: int = 10  # top-k success: the original among the ``top`` best candidates (llm_reconstruction only)
+    released_log_odds: float = 0.0  # b, the mechanism's term (module docstring); 0: the LM alone
+    max_batch_tokens: int = 4096  # fed tokens per forward pass
 
 
 def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -89,15 +100,17 @@ def _suffix_log_likelihood(model: torch.nn.Module, cache: Cache, prefix: int, ro
 
 @torch.inference_mode()
 def rank_candidates(model: torch.nn.Module, sequence: Sequence[int], positions: Sequence[int], *, start_id: int,
-                    excluded: frozenset[int], shortlist: int, include_released: bool = True,
-                    released_log_odds: float = 0.0, max_batch_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                    excluded: frozenset[int], include_released: bool = True,
+                    config: LLMReconstructionConfig = LLMReconstructionConfig()) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of each position of ``positions`` in ``sequence`` (no start token), ranked by the whole-sequence
     log-likelihood: ids (m, k) and their scores (m, k), best first. ``include_released``: the released token is
     always a candidate (in place of the last of the shortlist when the left context does not rank it).
+    ``config``: the shortlist k, the released token's log-odds and the tokens per pass (``top`` is not used).
 
     One pass over the released sequence gives the shortlists and the log-likelihood of every prefix, which the
     candidates of a position share; then, per position, the candidates and their right context go through the model
-    on that pass's key/value cache cut to the prefix, in passes of at most ``max_batch_tokens`` fed tokens."""
+    on that pass's key/value cache cut to the prefix, in passes of at most ``config.max_batch_tokens`` fed tokens."""
+    shortlist, released_log_odds = config.shortlist, config.released_log_odds
     device = next(model.parameters()).device
     base = torch.tensor([start_id, *sequence], device=device)
     at = torch.tensor(list(positions), device=device) + 1
@@ -123,7 +136,7 @@ def rank_candidates(model: torch.nn.Module, sequence: Sequence[int], positions: 
             continue  # the last token has no right context
         rows = base[a:].repeat(len(changed), 1)
         rows[:, 0] = candidates[row, changed]
-        per_pass = max(1, max_batch_tokens // rows.shape[1])
+        per_pass = max(1, config.max_batch_tokens // rows.shape[1])
         right = [_suffix_log_likelihood(model, cache, a, part) for part in rows.split(per_pass)]  # prefix: bos..r_{i-1}
         scores[row, changed] += torch.cat(right)
     if not math.isfinite(released_log_odds):  # inf * 0 is NaN, which would sort first
@@ -135,14 +148,15 @@ def rank_candidates(model: torch.nn.Module, sequence: Sequence[int], positions: 
 
 def llm_reconstruction(original_ids: Sequence[Sequence[int]], released_ids: Sequence[Sequence[int]],
                        positions: Sequence[Sequence[int]], model: torch.nn.Module, *, start_id: int,
-                       excluded: frozenset[int] = frozenset(), shortlist: int = 32, top: int = 10,
-                       released_log_odds: float = 0.0, max_batch_tokens: int = 4096) -> Reconstruction:
+                       excluded: frozenset[int] = frozenset(),
+                       config: LLMReconstructionConfig = LLMReconstructionConfig()) -> Reconstruction:
     """The attack on released sequences (one id per original token, in the model's vocabulary) at the given
     perturbed positions of each; ``excluded``: ids never guessed (the special tokens); ``start_id``: the context's
-    first token (bos); ``released_log_odds``: the mechanism's term (module docstring; 0: the LM alone, and the
-    results are named ``llm-reconstruction``, else ``llm-reconstruction-aware``). Success counts are over every
+    first token (bos); ``config.released_log_odds``: the mechanism's term (module docstring; 0: the LM alone, and
+    the results are named ``llm-reconstruction``, else ``llm-reconstruction-aware``). Success counts are over every
     attacked position (exact binomial CIs)."""
-    shortlist, top = check_positive_int("shortlist", shortlist), check_positive_int("top", top)
+    shortlist, top = check_positive_int("shortlist", config.shortlist), check_positive_int("top", config.top)
+    released_log_odds = config.released_log_odds
     if top > shortlist:
         raise ValueError(f"top ({top}) must be at most shortlist ({shortlist})")
     if not (len(original_ids) == len(released_ids) == len(positions)):
@@ -154,8 +168,7 @@ def llm_reconstruction(original_ids: Sequence[Sequence[int]], released_ids: Sequ
         if not where:
             ranked.append(torch.zeros((0, top), dtype=torch.long))
             continue
-        ids, _ = rank_candidates(model, released, where, start_id=start_id, excluded=excluded, shortlist=shortlist,
-                                 released_log_odds=released_log_odds, max_batch_tokens=max_batch_tokens)
+        ids, _ = rank_candidates(model, released, where, start_id=start_id, excluded=excluded, config=config)
         truth = torch.tensor([original[i] for i in where], device=ids.device)
         hits1 += int((ids[:, 0] == truth).sum())
         hitsk += int((ids[:, :top] == truth[:, None]).any(dim=-1).sum())
@@ -175,20 +188,21 @@ LOG_ODDS_GRID = (*(x / 2 for x in range(-8, 49)), 1e4)  # -4 .. 24 nats by halve
 
 def fit_released_log_odds(original_ids: Sequence[Sequence[int]], released_ids: Sequence[Sequence[int]],
                           positions: Sequence[Sequence[int]], model: torch.nn.Module, *, start_id: int,
-                          excluded: frozenset[int] = frozenset(), shortlist: int = 32,
-                          grid: Sequence[float] = LOG_ODDS_GRID, max_batch_tokens: int = 4096) -> float:
+                          excluded: frozenset[int] = frozenset(), grid: Sequence[float] = LOG_ODDS_GRID,
+                          config: LLMReconstructionConfig = LLMReconstructionConfig()) -> float:
     """The log-odds b of the released token (module docstring) that recovers the most originals top-1 on the
     attacker's own releases (originals it knows): one ranking pass at b = 0, then every b of ``grid`` re-ranks the
-    same scores. Ties go to the b nearest 0 (the least trust in the release)."""
+    same scores. Ties go to the b nearest 0 (the least trust in the release). ``config`` gives the shortlist and
+    the tokens per pass (its ``released_log_odds`` is what this fits, so it is not used)."""
     if not grid or not all(math.isfinite(float(b)) for b in grid):
         raise ValueError("grid must hold at least one log-odds, all finite (1e4 reads the release)")
+    at_zero = replace(config, released_log_odds=0.0)
     hits = torch.zeros(len(grid), dtype=torch.long)
     offsets = torch.tensor([float(b) for b in grid], dtype=torch.float64)
     for original, released, where in zip(original_ids, released_ids, positions, strict=True):
         if not where:
             continue
-        ids, scores = rank_candidates(model, released, where, start_id=start_id, excluded=excluded,
-                                      shortlist=shortlist, max_batch_tokens=max_batch_tokens)
+        ids, scores = rank_candidates(model, released, where, start_id=start_id, excluded=excluded, config=at_zero)
         kept = (ids == torch.tensor([released[i] for i in where], device=ids.device)[:, None]).cpu().double()
         truth = torch.tensor([original[i] for i in where])
         shifted = scores.cpu().double()[None] + offsets[:, None, None] * kept[None]  # (grid, m, k)

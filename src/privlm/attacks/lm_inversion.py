@@ -63,12 +63,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from privlm._validation import check_float_tensor, check_non_negative_finite, check_positive_finite, check_positive_int
 from privlm.attacks._checks import check_ids
 from privlm.attacks.results import AttackResult
 from privlm.mechanisms import nearest_neighbours, sample_dchi_noise
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models.kv_cache import cache_of, with_cache
+from privlm.validation import check_float_tensor, check_non_negative_finite, check_positive_finite, check_positive_int
 
 CLIP_TOLERANCE = 1e-4  # a row with norm >= C (1 - tol) was clipped (float32 rounding leaves it a little off C)
 _ROW_CHUNK = 256  # rows per (rows, |V|) float64 block
@@ -541,26 +541,16 @@ def _beam_search(candidates: torch.Tensor, log_lik: torch.Tensor, prior: TokenPr
     return paths[0]
 
 
-def lm_inversion(released: Sequence[torch.Tensor], true_ids: Sequence[torch.Tensor], vocabulary: torch.Tensor, *,
-                 noise: NoiseModel, prior: TokenPrior, beam: int = 8, shortlist: int = 64, prior_weight: float = 1.0,
-                 name: str | None = None) -> Inversion:
-    """Guess every text's tokens from its released rows (see the module docstring); top-1 success per position.
+@dataclass(frozen=True, kw_only=True)
+class LMInversionConfig:
+    """The beam search of :func:`lm_inversion` (see the module docstring)."""
 
-    ``released[i]`` (n_i, d): the content-token rows of text i; ``true_ids[i]`` (n_i,). ``details``: the noise's
-    eta (and whether it was estimated), the clip rate, the max-likelihood guess's own successes, the share of
-    positions where the guess differs from it, how often the true token was in the shortlist, and the seconds.
-    """
-    start = time.perf_counter()
-    check_float_tensor("vocabulary", vocabulary, ndim=2)
-    if isinstance(released, torch.Tensor) or not isinstance(released, Sequence) or not released:
-        raise ValueError("released must be a non-empty sequence of (n_i, d) tensors, one per text")
-    if isinstance(true_ids, torch.Tensor) or not isinstance(true_ids, Sequence) or len(true_ids) != len(released):
-        raise ValueError(f"true_ids must be a sequence of {len(released)} id tensors, one per released text")
-    vocab_size, dim = vocabulary.shape
-    beam, shortlist = check_positive_int("beam", beam), check_positive_int("shortlist", shortlist)
-    if shortlist > vocab_size:
-        raise ValueError(f"shortlist must be <= the vocabulary size {vocab_size}, got {shortlist}")
-    prior_weight = check_non_negative_finite("prior_weight", prior_weight)
+    beam: int = 8  # B, the sequences kept after each position
+    shortlist: int = 64  # candidates per position: the tokens of highest noise log-likelihood
+    prior_weight: float = 1.0  # the prior's weight against the noise; 0: the likelihood alone
+
+
+def _check_models(noise: object, prior: object, vocab_size: int) -> None:
     if not isinstance(noise, NoiseModel):
         raise ValueError(f"noise must be a NoiseModel (e.g. DChiNoise or ReleasedTokenNoise: a log_likelihood "
                          f"method), got {type(noise).__name__}")
@@ -569,12 +559,42 @@ def lm_inversion(released: Sequence[torch.Tensor], true_ids: Sequence[torch.Tens
                          f"next_log_probs and extend), got {type(prior).__name__}")
     if prior.vocab_size != vocab_size:
         raise ValueError(f"the prior's vocabulary has {prior.vocab_size} tokens, the rows' {vocab_size}")
+
+
+def _checked_truths(released: Sequence[torch.Tensor], true_ids: Sequence[torch.Tensor], vocabulary: torch.Tensor
+                    ) -> list[torch.Tensor]:
+    """Each text's true ids (n_i,) on the CPU, once its released rows (n_i, d) are checked against them."""
+    if isinstance(released, torch.Tensor) or not isinstance(released, Sequence) or not released:
+        raise ValueError("released must be a non-empty sequence of (n_i, d) tensors, one per text")
+    if isinstance(true_ids, torch.Tensor) or not isinstance(true_ids, Sequence) or len(true_ids) != len(released):
+        raise ValueError(f"true_ids must be a sequence of {len(released)} id tensors, one per released text")
+    vocab_size, dim = vocabulary.shape
     truths = []
     for i, (rows, ids) in enumerate(zip(released, true_ids, strict=True)):
         check_float_tensor(f"released[{i}]", rows, ndim=2)
         if rows.shape[1] != dim:
             raise ValueError(f"released[{i}] has dimension {rows.shape[1]} but vocabulary rows have {dim}")
         truths.append(check_ids(f"true_ids[{i}]", ids, shape=(rows.shape[0],), vocab_size=vocab_size).cpu())
+    return truths
+
+
+def lm_inversion(released: Sequence[torch.Tensor], true_ids: Sequence[torch.Tensor], vocabulary: torch.Tensor, *,
+                 noise: NoiseModel, prior: TokenPrior, name: str | None = None,
+                 config: LMInversionConfig = LMInversionConfig()) -> Inversion:
+    """Guess every text's tokens from its released rows (see the module docstring); top-1 success per position.
+
+    ``released[i]`` (n_i, d): the content-token rows of text i; ``true_ids[i]`` (n_i,). ``details``: the noise's
+    eta (and whether it was estimated), the clip rate, the max-likelihood guess's own successes, the share of
+    positions where the guess differs from it, how often the true token was in the shortlist, and the seconds.
+    """
+    start = time.perf_counter()
+    vocab_size = check_float_tensor("vocabulary", vocabulary, ndim=2).shape[0]
+    beam, shortlist = check_positive_int("beam", config.beam), check_positive_int("shortlist", config.shortlist)
+    if shortlist > vocab_size:
+        raise ValueError(f"shortlist must be <= the vocabulary size {vocab_size}, got {shortlist}")
+    prior_weight = check_non_negative_finite("prior_weight", config.prior_weight)
+    _check_models(noise, prior, vocab_size)
+    truths = _checked_truths(released, true_ids, vocabulary)
     all_rows = torch.cat([rows.to(vocabulary.device) for rows in released])
     candidates, log_lik = _shortlists(noise, all_rows, vocabulary, shortlist)
     guesses, offset = [], 0

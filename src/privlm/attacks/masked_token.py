@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Literal
 
@@ -39,10 +40,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from privlm._validation import check_choice, check_positive_int
-from privlm.attacks.llm_reconstruction import rank_candidates
+from privlm.attacks.llm_reconstruction import LLMReconstructionConfig, rank_candidates
 from privlm.attacks.results import AttackResult, score_result
 from privlm.attacks.text_metrics import rouge_l_f1
+from privlm.validation import check_choice, check_positive_int
 
 MtiMethod = Literal["auto", "masked-lm", "causal-lm-stand-in"]
 MTI_METHODS: tuple[MtiMethod, ...] = ("auto", "masked-lm", "causal-lm-stand-in")
@@ -153,8 +154,8 @@ def _predict_causal_stand_in(model: torch.nn.Module, sequence: list[int], positi
     if starts and 0 in positions:
         raise ValueError("attack_mask selects position 0, the context start token, which has no left context")
     body, where = (sequence[1:], [p - 1 for p in positions]) if starts else (sequence, positions)
-    ids, _ = rank_candidates(model, body, where, start_id=start_id, excluded=special, shortlist=top_k,
-                             include_released=False, max_batch_tokens=max_batch_tokens)
+    ids, _ = rank_candidates(model, body, where, start_id=start_id, excluded=special, include_released=False,
+                             config=LLMReconstructionConfig(shortlist=top_k, max_batch_tokens=max_batch_tokens))
     return ids[:, 0].tolist()
 
 
@@ -165,6 +166,18 @@ def _rouge_units(ids: list[int], tokenizer: PreTrainedTokenizerBase, unit: str, 
     return [t for t in ids if t not in special]
 
 
+@dataclass(frozen=True, kw_only=True)
+class MaskedTokenConfig:
+    """The predictor and the scoring of :func:`masked_token_inference` (see the module docstring)."""
+
+    method: MtiMethod = "auto"  # "auto": the causal stand-in for causal-LM classes, else the masked LM
+    top_k: int = 10  # candidates from the left context that the causal stand-in re-ranks
+    exclude_special_tokens: bool = True  # never predict a special token
+    rouge_on: Literal["words", "tokens"] = "words"  # decoded words (special tokens skipped) or non-special ids
+    max_batch_tokens: int = 4096  # rows x length per forward pass
+    context_start_id: int | None = None  # the stand-in's first context token; None: the tokenizer's bos, else eos
+
+
 def masked_token_inference(
     original_ids: Ids,
     perturbed_ids: Ids,
@@ -173,13 +186,8 @@ def masked_token_inference(
     *,
     attention_mask: torch.Tensor | None = None,
     attack_mask: Sequence[Sequence[bool]] | torch.Tensor | None = None,
-    method: MtiMethod = "auto",
-    top_k: int = 10,
-    exclude_special_tokens: bool = True,
-    rouge_on: Literal["words", "tokens"] = "words",
-    max_batch_tokens: int = 4096,
-    context_start_id: int | None = None,
     seed: int = 0,
+    config: MaskedTokenConfig = MaskedTokenConfig(),
 ) -> AttackResult:
     """MTI on token-id sequences (in the attacker model's vocabulary); see the module docstring for the math.
 
@@ -187,12 +195,9 @@ def masked_token_inference(
     optional ``attention_mask`` (padding is dropped). ``model`` is a masked LM (``...ForMaskedLM``)
     or a causal LM, called as ``model(input_ids=..., attention_mask=...).logits``; a
     :class:`privlm.models.SplitModel` is unwrapped (its tokenizer is used when none is given).
-    ``method="auto"`` picks the causal stand-in for causal-LM classes, else the masked LM.
-    ``top_k`` candidates feed the stand-in's re-ranking; its context starts with ``context_start_id``
-    (default: the tokenizer's bos, else eos token), prepended unless the sequence starts with it.
-    Rouge-L is computed on the decoded words (``rouge_on="words"``, special tokens skipped) or on
-    the non-special token ids (``"tokens"``).
-    ``max_batch_tokens`` bounds rows x length per forward pass. ``seed`` seeds the bootstrap CI.
+    ``config`` chooses the method and its knobs (:class:`MaskedTokenConfig`); the causal stand-in's
+    context starts with ``config.context_start_id``, prepended unless the sequence starts with it.
+    ``seed`` seeds the bootstrap CI.
     """
     from privlm.models import SplitModel
 
@@ -202,15 +207,16 @@ def masked_token_inference(
         model = model.model
     if tokenizer is None:
         raise ValueError("tokenizer is required (the model's tokenizer)")
-    top_k = check_positive_int("top_k", top_k)
-    max_batch_tokens = check_positive_int("max_batch_tokens", max_batch_tokens)
+    top_k = check_positive_int("top_k", config.top_k)
+    max_batch_tokens = check_positive_int("max_batch_tokens", config.max_batch_tokens)
+    rouge_on = config.rouge_on
     check_choice("rouge_on", rouge_on, ROUGE_UNITS)
-    method = _resolve_method(method, model, tokenizer)
+    method = _resolve_method(config.method, model, tokenizer)
     original, perturbed = _paired_rows(original_ids, perturbed_ids, attention_mask)
     special = frozenset(tokenizer.all_special_ids)
     positions = _attack_positions(attack_mask, attention_mask, perturbed, special)
-    predict = _predictor(method, tokenizer, special if exclude_special_tokens else frozenset(), top_k=top_k,
-                         max_batch_tokens=max_batch_tokens, context_start_id=context_start_id)
+    predict = _predictor(method, tokenizer, special if config.exclude_special_tokens else frozenset(), top_k=top_k,
+                         max_batch_tokens=max_batch_tokens, context_start_id=config.context_start_id)
     reconstructions = [_reconstruct(predict, model, y, where) for y, where in zip(perturbed, positions, strict=True)]
     hits = [guess[p] == x[p] for x, guess, where in zip(original, reconstructions, positions, strict=True)
             for p in where]

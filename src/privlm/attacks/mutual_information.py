@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from scipy.special import digamma
 
-from privlm._validation import check_float_tensor, check_positive_int
 from privlm.attacks._checks import check_ids
 from privlm.attacks.results import ScoreResult, score_result
 from privlm.mechanisms import squared_distances
+from privlm.validation import check_float_tensor, check_positive_int
 
 MI_DEFAULT_K = 1  # the SnD paper does not state k; k = 1 is Kozachenko and Leonenko's original estimator
 

@@ -41,14 +41,15 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite, check_positive_int
 from privlm.attacks._checks import check_ids, check_mask
 from privlm.attacks.results import AttackResult
 from privlm.mechanisms.randomness import resolve_generator
+from privlm.validation import check_float_tensor, check_positive_finite, check_positive_int
 
 BottomForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 INIT_SCALE = 0.01  # the logits start near zero: p_i close to uniform
@@ -93,24 +94,58 @@ def _frozen(modules: list[torch.nn.Module]) -> Iterator[None]:
             sub.train(mode)
 
 
-def _invert_chunk(observed: torch.Tensor, attention_mask: torch.Tensor, bottom_forward: BottomForward,
-                  vocabulary: torch.Tensor, schedule: list[float], lr: float,
-                  generator: torch.Generator, *, init: torch.Tensor | None = None,
+@dataclass(frozen=True, kw_only=True)
+class OptimisationInversionConfig:
+    """The relaxed-token optimisation of :func:`optimisation_inversion` (see the module docstring)."""
+
+    steps: int = 200  # Adam steps S
+    lr: float = 0.03  # Adam's learning rate
+    temperature: Sequence[float] = (1.0, 0.05)  # (T_0, T_1): the softmax temperature falls geometrically
+    batch_size: int = 32  # examples optimised together: memory grows as batch_size * L * |V|
+    name: str | None = None  # the result's name; None: the attack's own
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Relaxation:
+    """What every chunk of one attack shares: the bottom, the vocabulary table, the temperatures, Adam's rate."""
+
+    bottom_forward: BottomForward
+    vocabulary: torch.Tensor  # (|V|, d) on the observed rows' device and dtype
+    schedule: list[float]
+    lr: float
+    generator: torch.Generator  # draws the random start
+
+
+def _relaxation_of(config: OptimisationInversionConfig, observed: torch.Tensor, bottom_forward: BottomForward,
+                   vocabulary: torch.Tensor, generator: torch.Generator | None) -> _Relaxation:
+    """The checked configuration (the batch size is checked by the caller) and the table on the rows' device."""
+    if not callable(bottom_forward):
+        raise ValueError(f"bottom_forward must be callable, got {type(bottom_forward).__name__}")
+    schedule = temperature_schedule(config.temperature, check_positive_int("steps", config.steps))
+    return _Relaxation(bottom_forward=bottom_forward,
+                       vocabulary=vocabulary.detach().to(device=observed.device, dtype=observed.dtype),
+                       schedule=schedule, lr=check_positive_finite("lr", config.lr),
+                       generator=resolve_generator(generator, observed.device))
+
+
+def _invert_chunk(relaxation: _Relaxation, observed: torch.Tensor, attention_mask: torch.Tensor, *,
+                  init: torch.Tensor | None = None,
                   extra_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """argmax of the optimised logits (b, L) for one chunk of examples. ``init``: starting logits (near-uniform
     random ones otherwise); ``extra_loss(output)``: a term added to the loss (the gradient attack's)."""
     b, length, _ = observed.shape
+    vocabulary = relaxation.vocabulary
     if init is None:
-        logits = INIT_SCALE * torch.randn(b, length, vocabulary.shape[0], generator=generator,
+        logits = INIT_SCALE * torch.randn(b, length, vocabulary.shape[0], generator=relaxation.generator,
                                           device=observed.device, dtype=observed.dtype)
     else:
         logits = init.to(observed).clone()
     logits.requires_grad_(True)
-    optimiser = torch.optim.Adam([logits], lr=lr)
+    optimiser = torch.optim.Adam([logits], lr=relaxation.lr)
     seen = attention_mask.bool()
-    for temperature in schedule:
+    for temperature in relaxation.schedule:
         words = torch.softmax(logits / temperature, dim=-1) @ vocabulary
-        output = bottom_forward(words, attention_mask)
+        output = relaxation.bottom_forward(words, attention_mask)
         if output.shape != observed.shape:
             raise ValueError(f"bottom_forward returned shape {tuple(output.shape)}, the observed outputs have "
                              f"{tuple(observed.shape)}")
@@ -156,12 +191,8 @@ def optimisation_inversion(
     true_ids: torch.Tensor,
     *,
     mask: torch.Tensor | None = None,
-    steps: int = 200,
-    lr: float = 0.03,
-    temperature: Sequence[float] = (1.0, 0.05),
-    batch_size: int = 32,
     generator: torch.Generator | None = None,
-    name: str | None = None,
+    config: OptimisationInversionConfig = OptimisationInversionConfig(),
 ) -> AttackResult:
     """Recover the tokens behind ``observed`` = bottom(E[true_ids]) by optimising relaxed one-hot token choices.
 
@@ -171,31 +202,26 @@ def optimisation_inversion(
     in the loss. ``mask`` (bool, default: the attention mask) selects the positions that count, e.g. without
     special tokens. ``generator`` draws the initial logits (OS-seeded when None).
 
-    The defaults (200 Adam steps at lr 0.03, T from 1 to 0.05) recover every token of un-noised MiniLM
-    outputs at k = 2; at k = 0 with noise, lr 0.03 stays within a few points of nearest neighbour where
-    lr 0.1 fell up to 10 points behind (the relaxed optimum can sit inside the hull of several rows).
+    The defaults of :class:`OptimisationInversionConfig` (200 Adam steps at lr 0.03, T from 1 to 0.05) recover
+    every token of un-noised MiniLM outputs at k = 2; at k = 0 with noise, lr 0.03 stays within a few points of
+    nearest neighbour where lr 0.1 fell up to 10 points behind (the relaxed optimum can sit inside the hull of
+    several rows).
     """
     start = time.perf_counter()
     ids, attention_mask, counted = _check_inputs(observed, attention_mask, vocabulary, true_ids, mask)
-    if not callable(bottom_forward):
-        raise ValueError(f"bottom_forward must be callable, got {type(bottom_forward).__name__}")
-    schedule = temperature_schedule(temperature, check_positive_int("steps", steps))
-    lr = check_positive_finite("lr", lr)
-    batch_size = check_positive_int("batch_size", batch_size)
-    generator = resolve_generator(generator, observed.device)
-    table = vocabulary.detach().to(device=observed.device, dtype=observed.dtype)
+    relaxation = _relaxation_of(config, observed, bottom_forward, vocabulary, generator)
+    batch_size = check_positive_int("batch_size", config.batch_size)
     target = observed.detach()
     predictions = []
     with _frozen(_modules_of(bottom_forward)), torch.enable_grad():
         for first in range(0, target.shape[0], batch_size):
             rows = slice(first, first + batch_size)
-            predictions.append(_invert_chunk(target[rows], attention_mask[rows], bottom_forward, table, schedule,
-                                             lr, generator))
+            predictions.append(_invert_chunk(relaxation, target[rows], attention_mask[rows]))
     counted = counted.to(ids.device)
     hits = torch.cat(predictions).to(ids.device)[counted] == ids[counted]
-    details: dict[str, Any] = {"steps": len(schedule), "lr": lr, "temperature": (float(temperature[0]),
-                                                                                  float(temperature[1])),
+    details: dict[str, Any] = {"steps": len(relaxation.schedule), "lr": relaxation.lr,
+                               "temperature": (float(config.temperature[0]), float(config.temperature[1])),
                                "batch_size": batch_size, "vocab_size": int(vocabulary.shape[0]),
                                "seconds": time.perf_counter() - start}
-    return AttackResult(name=name or "optimisation-inversion", successes=int(hits.sum()), trials=int(hits.numel()),
-                        chance=1 / vocabulary.shape[0], details=details)
+    return AttackResult(name=config.name or "optimisation-inversion", successes=int(hits.sum()),
+                        trials=int(hits.numel()), chance=1 / vocabulary.shape[0], details=details)

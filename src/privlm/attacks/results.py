@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from scipy import stats
 
-from privlm._validation import check_choice, check_in_interval, check_positive_int
+from privlm.validation import check_choice, check_in_interval, check_positive_int
 
 CiMethod = Literal["bootstrap", "normal"]
 CI_METHODS: tuple[CiMethod, ...] = ("bootstrap", "normal")

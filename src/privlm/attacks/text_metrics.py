@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
-from privlm._validation import check_positive_int
+from privlm.validation import check_positive_int
 
 MAPPING_SET_SAMPLES = 1000  # Cape: 1,000 perturbations of each token
 

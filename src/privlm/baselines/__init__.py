@@ -3,7 +3,7 @@ token-level baselines of Cape (SANTEXT, SANTEXT+, CUSTEXT, CUSTEXT+, InferDPT, t
 the shared report of :mod:`privlm.models.perturbation`."""
 
 from privlm.baselines import registration  # noqa: F401 (it registers the token-level baselines by name)
-from privlm.baselines.custext import Custext, CustextMechanism, CustextPlus
+from privlm.baselines.custext import Custext, CustextMechanism, CustextOptions, CustextPlus
 from privlm.baselines.frequency import least_frequent, token_frequencies
 from privlm.baselines.inferdpt import InferDPT, InferDPTMechanism
 from privlm.baselines.neighbours import OutputSets, build_output_sets, load_output_sets, nearest_candidates
@@ -20,6 +20,7 @@ from privlm.baselines.tokembpriv import PrivatizedTokens, TokEmbPriv
 __all__ = [
     "Custext",
     "CustextMechanism",
+    "CustextOptions",
     "CustextPlus",
     "InferDPT",
     "InferDPTMechanism",

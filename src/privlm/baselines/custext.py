@@ -41,10 +41,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from privlm._validation import check_positive_finite
 from privlm.accounting import Ledger
 from privlm.baselines.neighbours import (
     CUSTEXT_K,
@@ -58,12 +58,14 @@ from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.mechanisms import OutputKind, PrivacyUnit, Spend, sample_from_probabilities
 from privlm.models.prompts import NonSensitiveTokens
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_positive_finite
 
 
 @dataclass(frozen=True, eq=False)
 class CustextMechanism:
     """CUSTEXT at one position: a token id in, a candidate index of its output set out (see the module doc)."""
 
+    unit: ClassVar[PrivacyUnit] = PrivacyUnit.EPSILON  # eps bounds the log-ratio within an output set
     vocabulary: CandidateVocabulary
     output_sets: OutputSets
     epsilon: float
@@ -135,31 +137,45 @@ class CustextMechanism:
 
     def spend(self, x: torch.Tensor) -> Spend:
         """eps per released token."""
-        return Spend(PrivacyUnit.EPSILON, self.epsilon * x.numel())
+        return Spend(self.unit, self.epsilon * x.numel())
+
+
+@dataclass(frozen=True, kw_only=True)
+class CustextOptions:
+    """Where CUSTEXT's output sets come from when none are given: groups of ``k`` (the paper's K = 20), loaded from
+    the cache under ``cache_root`` (default ``cache_dir()/neighbours``), built there on first use."""
+
+    k: int = CUSTEXT_K
+    cache_root: Path | None = None
 
 
 class Custext(TokenLevelBaseline):
     """CUSTEXT as a :class:`~privlm.models.perturbation.TextPerturber`: every token is perturbed."""
 
     name = "custext"
-    unit = PrivacyUnit.EPSILON
+    unit = CustextMechanism.unit
     guarantee = ("eps per perturbed token against any prompt of the same length whose tokens share, position by "
                  "position, their CUSTEXT output set (public groups of K; the group of each token and the token "
                  "count are revealed; tokens of different groups have disjoint supports: no DP between them)")
 
-    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, k: int = CUSTEXT_K,
-                 output_sets: OutputSets | None = None, cache_root: Path | None = None,
-                 generator: torch.Generator | None = None, ledger: Ledger | None = None,
-                 principal: str = "local") -> None:
-        """``output_sets``: prebuilt groups (shared by several instances); else loaded from the cache under
-        ``cache_root`` (default ``cache_dir()/neighbours``), built there on first use."""
+    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, output_sets: OutputSets | None = None,
+                 options: CustextOptions | None = None, generator: torch.Generator | None = None,
+                 ledger: Ledger | None = None, principal: str = "local") -> None:
+        """``output_sets``: prebuilt groups (shared by several instances); else loaded as ``options`` say (groups of
+        K = 20 from the default cache)."""
         super().__init__(vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
-        self.k = check_k(k, vocabulary)
+        options = options or CustextOptions()
+        self.k = check_k(options.k, vocabulary)
         if output_sets is None:
-            output_sets = load_output_sets(vocabulary, self.k, root=cache_root)
+            output_sets = load_output_sets(vocabulary, self.k, root=options.cache_root)
         elif output_sets.k != self.k:
             raise ValueError(f"output_sets were built with k={output_sets.k}, not k={self.k}")
         self.mechanism = CustextMechanism(vocabulary, output_sets, self.epsilon)
+
+    @classmethod
+    def check(cls, vocabulary: CandidateVocabulary, *, epsilon: float) -> None:
+        super().check(vocabulary, epsilon=epsilon)
+        check_k(CUSTEXT_K, vocabulary)
 
 
 class CustextPlus(Custext):
@@ -168,10 +184,10 @@ class CustextPlus(Custext):
     name = "custext+"
     guarantee = Custext.guarantee + "; the non-sensitive tokens must be the same, in the same places, and are kept"
 
-    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, k: int = CUSTEXT_K,
-                 output_sets: OutputSets | None = None, cache_root: Path | None = None,
-                 non_sensitive: NonSensitiveTokens | None = None, generator: torch.Generator | None = None,
-                 ledger: Ledger | None = None, principal: str = "local") -> None:
-        super().__init__(vocabulary, epsilon=epsilon, k=k, output_sets=output_sets, cache_root=cache_root,
-                         generator=generator, ledger=ledger, principal=principal)
+    def __init__(self, vocabulary: CandidateVocabulary, *, epsilon: float, output_sets: OutputSets | None = None,
+                 options: CustextOptions | None = None, non_sensitive: NonSensitiveTokens | None = None,
+                 generator: torch.Generator | None = None, ledger: Ledger | None = None,
+                 principal: str = "local") -> None:
+        super().__init__(vocabulary, epsilon=epsilon, output_sets=output_sets, options=options, generator=generator,
+                         ledger=ledger, principal=principal)
         self.non_sensitive = non_sensitive or NonSensitiveTokens.english()

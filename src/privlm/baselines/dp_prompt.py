@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_in_interval
 from privlm.accounting import Ledger
-from privlm.mechanisms import ExponentialMechanism, PrivacyUnit
+from privlm.mechanisms import ExponentialMechanism
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models import check_texts
 from privlm.models.chat import ChatModel
@@ -42,6 +42,7 @@ from privlm.models.perturbation import (
 from privlm.models.prompts import tokenize_prompt
 from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_in_interval
 
 INSTRUCTION = "Paraphrase the following text. Answer with the paraphrase only.\n\n"
 PRIVLM, TRANSCRIPT = Accounting.PRIVLM, Accounting.TRANSCRIPT
@@ -50,32 +51,50 @@ GUARANTEE = ("privlm: the 'privlm' total is an epsilon-DP bound for this release
              "tokens the paraphrase may have; 'transcript' is the loss of the tokens actually generated")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DPPromptOptions:
+    """DP-Prompt's less often set knobs: ``length_ratio``, the paraphrase's longest length per prompt token (in
+    (0, 16]); ``instruction``, what the device model is asked before the text."""
+
+    length_ratio: float = 1.5
+    instruction: str = INSTRUCTION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "length_ratio",
+                           check_in_interval("length_ratio", self.length_ratio, 0, 16, low_open=True))
+
+
 class DPPrompt:
     """DP-Prompt on a causal device model with a chat template. ``epsilon``: per generated token;
-    ``logit_range``: (b_lo, b_hi), the clipping bounds; ``length_ratio``: the paraphrase's longest length per prompt
-    token; ``generator``: the only source of randomness (OS-seeded when None); ``ledger``: charged
+    ``logit_range``: (b_lo, b_hi), the clipping bounds; ``options``: the length ratio and the instruction
+    (:class:`DPPromptOptions`); ``generator``: the only source of randomness (OS-seeded when None); ``ledger``: charged
     max_new_tokens x epsilon per prompt under ``principal``, before anything is drawn."""
 
     name = "dp-prompt"
-    unit = PrivacyUnit.EPSILON
+    unit = ExponentialMechanism.unit  # each generated token is one draw of it
 
     def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float,
-                 logit_range: tuple[float, float], length_ratio: float = 1.5, instruction: str = INSTRUCTION,
+                 logit_range: tuple[float, float], options: DPPromptOptions | None = None,
                  generator: torch.Generator | None = None, ledger: Ledger | None = None, principal: str = "local",
                  device: str = "auto") -> None:
         self.epsilon = check_epsilon(epsilon)
-        low, high = (float(b) for b in logit_range)
-        if not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise ValueError(f"logit_range must be two finite numbers b_lo < b_hi, got {logit_range!r}")
-        self.logit_range = (low, high)
-        self.length_ratio = check_in_interval("length_ratio", length_ratio, 0, 16, low_open=True)
-        self.instruction = instruction
+        self.logit_range = _check_range(logit_range)
+        options = options or DPPromptOptions()
+        self.length_ratio, self.instruction = options.length_ratio, options.instruction
         model = (device_model if isinstance(device_model, LanguageModel)
                  else LanguageModel.from_pretrained(device_model, device=device))
         self.chat = ChatModel(model)  # refuses a masked model, or one without a chat template
         self.device_model = model
         self.generator = resolve_generator(generator, model.device)
         self.ledger, self.principal = ledger, principal
+
+    @staticmethod
+    def check(device_model: LanguageModel, *, epsilon: float, logit_range: tuple[float, float]) -> None:
+        """Refuse what the constructor would refuse for these arguments, building nothing: epsilon or the clipping
+        bounds out of range, a masked device model or one without a chat template."""
+        check_epsilon(epsilon)
+        _check_range(logit_range)
+        ChatModel(device_model)
 
     @property
     def vocabulary(self) -> CandidateVocabulary:
@@ -133,3 +152,10 @@ class DPPrompt:
                 break
             inputs = torch.tensor([[token]], device=self.device_model.device)
         return out
+
+
+def _check_range(logit_range: tuple[float, float]) -> tuple[float, float]:
+    low, high = (float(b) for b in logit_range)
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"logit_range must be two finite numbers b_lo < b_hi, got {logit_range!r}")
+    return low, high

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from privlm._validation import check_float_tensor, check_in_interval
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_float_tensor, check_in_interval
 
 DEFAULT_LANGUAGE = "en"
 _TABLES: dict[tuple[str, str], torch.Tensor] = {}

@@ -78,12 +78,12 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
 from scipy import special
 
-from privlm._validation import check_positive_finite
 from privlm.accounting import Ledger
 from privlm.baselines.santext import check_token_ids, distance_rows, draws_shape, pair_distances
 from privlm.baselines.token_level import TokenLevelBaseline
@@ -91,6 +91,7 @@ from privlm.mechanisms import OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models.perturbation import Accounting
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_positive_finite
 
 FINE_GRID = 2**16  # points of the numerical law of r^2
 MASS_BINS, WIDTH_BINS = 512, 512  # quadrature bins: at most 1/512 of the mass, and 1/512 of the range of r, each
@@ -261,6 +262,7 @@ class InferDPTMechanism:
     (``num_samples=m``: (m, *x.shape)). ``paper_bound`` is the paper's claim; ``spend`` the sound worst case.
     """
 
+    unit: ClassVar[PrivacyUnit] = PrivacyUnit.EPSILON  # the sound bound holds against any token, at any distance
     vocabulary: CandidateVocabulary
     epsilon: float
     claim_source: str = field(default="privlm's sound bound (the paper's eps per token is unsound: see paper_bound "
@@ -434,7 +436,7 @@ class InferDPTMechanism:
     def spend(self, x: torch.Tensor) -> Spend:
         """privlm's per-token worst case per released id (pure epsilon; the paper would charge eps)."""
         x = check_token_ids("x", x, self.vocabulary)
-        return Spend(PrivacyUnit.EPSILON, self.per_token_bound * x.numel())
+        return Spend(self.unit, self.per_token_bound * x.numel())
 
 
 def _check_radius(radius: object) -> torch.Tensor:
@@ -475,7 +477,7 @@ class InferDPT(TokenLevelBaseline):
     """InferDPT's RANTEXT on prompts: every token replaced by a draw of :class:`InferDPTMechanism`."""
 
     name = "inferdpt"
-    unit = PrivacyUnit.EPSILON
+    unit = InferDPTMechanism.unit
     guarantee = ("per token, against any token: privlm's sound bound (the data-independent worst case of "
                  "InferDPTMechanism.pair_bound), composed over the tokens of prompts of the same length; the "
                  "paper's eps per token is unsound (the candidate set is centred on the true token)")

@@ -46,10 +46,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from privlm._validation import check_positive_int
 from privlm.mechanisms import nearest_neighbours
 from privlm.models.sources import cache_dir
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_positive_int
 
 CUSTEXT_K = 20
 FORMAT = "privlm/custext-output-sets/1"  # part of the cache key: a new construction gets new files

@@ -23,7 +23,7 @@ from privlm.baselines.santext import SanText, SanTextPlus
 from privlm.baselines.text2text import Text2TextPerturber
 from privlm.baselines.token_level import TokenLevelBaseline
 from privlm.models.perturbation import TextPerturber
-from privlm.models.text_mechanisms import MechanismContext, register_text_mechanism
+from privlm.models.text_mechanisms import MechanismContext, TextMechanism, register_text_mechanism
 
 
 def _register(name: str, label: str, description: str, cls: type[TokenLevelBaseline], *, any_pair: bool = False
@@ -32,8 +32,11 @@ def _register(name: str, label: str, description: str, cls: type[TokenLevelBasel
               principal: str) -> TextPerturber:
         return cls(context.vocabulary, epsilon=epsilon, generator=generator, ledger=ledger, principal=principal)
 
-    register_text_mechanism(name, build, label=label, family="baseline", unit=cls.unit, description=description,
-                            any_pair=any_pair)
+    def check(context: MechanismContext, epsilon: float) -> None:
+        cls.check(context.vocabulary, epsilon=epsilon)
+
+    register_text_mechanism(TextMechanism(name=name, label=label, family="baseline", unit=cls.unit,
+                                          description=description, factory=build, check=check, any_pair=any_pair))
 
 
 _register("santext", "SANTEXT", "SANTEXT: exp(-eps d / 2) over every candidate", SanText)
@@ -46,17 +49,28 @@ _register("inferdpt", "InferDPT", "InferDPT's RANTEXT: Laplace radius, exp(eps u
 _register("text2text", "Text2Text", "Text2Text: d_chi noise (eta = epsilon), nearest candidate", Text2TextPerturber)
 
 
-def _build_dp_prompt(context: MechanismContext, epsilon: float, generator: torch.Generator | None,
-                     ledger: Ledger | None, principal: str) -> TextPerturber:
+def _logit_range(context: MechanismContext) -> tuple[float, float]:
+    """[-B, B], Cape's calibrated logit bound: DP-Prompt's clipping bounds."""
     bound = context.logit_bound
     value = bound if isinstance(bound, float | int) or bound is None else bound.value
     if value is None:
         raise ValueError("dp-prompt clips the logits to [-B, B]: it needs Cape's logit bound B (privlm cape calibrate)")
-    return DPPrompt(context.device_model, epsilon=epsilon, logit_range=(-float(value), float(value)),
-                    generator=generator, ledger=ledger, principal=principal)
+    return -float(value), float(value)
 
 
-register_text_mechanism("dp-prompt", _build_dp_prompt, label="DP-Prompt", family="baseline", unit=DPPrompt.unit,
-                        description="DP-Prompt: a paraphrase, each token by the exponential mechanism on logits "
-                                    "clipped to [-B, B] (document-level)", needs_logit_bound=True, causal_only=True,
-                        rewrites=True, any_pair=True)
+def _build_dp_prompt(context: MechanismContext, epsilon: float, generator: torch.Generator | None,
+                     ledger: Ledger | None, principal: str) -> TextPerturber:
+    return DPPrompt(context.device_model, epsilon=epsilon, logit_range=_logit_range(context), generator=generator,
+                    ledger=ledger, principal=principal)
+
+
+def _check_dp_prompt(context: MechanismContext, epsilon: float) -> None:
+    DPPrompt.check(context.device_model, epsilon=epsilon, logit_range=_logit_range(context))
+
+
+register_text_mechanism(TextMechanism(
+    name="dp-prompt", label="DP-Prompt", family="baseline", unit=DPPrompt.unit,
+    description="DP-Prompt: a paraphrase, each token by the exponential mechanism on logits clipped to [-B, B] "
+                "(document-level)",
+    factory=_build_dp_prompt, check=_check_dp_prompt, needs_logit_bound=True, causal_only=True, rewrites=True,
+    any_pair=True))

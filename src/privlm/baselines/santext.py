@@ -48,10 +48,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from privlm._validation import check_in_interval, check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
 from privlm.baselines.frequency import least_frequent
 from privlm.baselines.token_level import TokenLevelBaseline
@@ -60,6 +60,7 @@ from privlm.mechanisms.randomness import resolve_generator
 from privlm.models.perturbation import TokenOutcome
 from privlm.models.prompts import PromptTokens
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_in_interval, check_positive_finite, check_positive_int
 
 CHUNK_POSITIONS = 256  # positions per block of distance rows: at most 256 x |C| floats at a time
 
@@ -159,6 +160,7 @@ class SanTextMechanism:
     eps * sum_i d(x_i, x'_i) for any two inputs of the same shape; spend: eps per id (eta-token).
     """
 
+    unit: ClassVar[PrivacyUnit] = PrivacyUnit.ETA_TOKEN  # metric DP: the loss scales with the embedding distance
     vocabulary: CandidateVocabulary
     epsilon: float
 
@@ -192,7 +194,7 @@ class SanTextMechanism:
     def spend(self, x: torch.Tensor) -> Spend:
         """eps per released id, in eta-token units (loss <= total * r for inputs at most r apart)."""
         x = check_token_ids("x", x, self.vocabulary)
-        return Spend(PrivacyUnit.ETA_TOKEN, self.epsilon * x.numel())
+        return Spend(self.unit, self.epsilon * x.numel())
 
 
 # --- SANTEXT+ ----------------------------------------------------------------------------------
@@ -206,6 +208,7 @@ class SanTextPlusMechanism:
     eps per id (eta-token).
     """
 
+    unit: ClassVar[PrivacyUnit] = SanTextMechanism.unit  # SANTEXT's law, restricted to S
     vocabulary: CandidateVocabulary
     epsilon: float
     sensitive: torch.Tensor
@@ -297,7 +300,7 @@ class SanTextPlusMechanism:
     def spend(self, x: torch.Tensor) -> Spend:
         """eps per released id, in eta-token units (an upper bound: frequent positions cost 0 under the relation)."""
         x = check_token_ids("x", x, self.vocabulary)
-        return Spend(PrivacyUnit.ETA_TOKEN, self.epsilon * x.numel())
+        return Spend(self.unit, self.epsilon * x.numel())
 
 
 # --- the perturbers ----------------------------------------------------------------------------
@@ -305,7 +308,7 @@ class SanText(TokenLevelBaseline):
     """SANTEXT on prompts: every token replaced by a draw of :class:`SanTextMechanism`."""
 
     name = "santext"
-    unit = PrivacyUnit.ETA_TOKEN
+    unit = SanTextMechanism.unit
     guarantee = ("metric LDP per token: against any prompt of the same length, the loss is at most "
                  "eps * sum_i ||phi(x_i) - phi(x'_i)|| (phi: the device model's input embeddings); the totals are "
                  "eta-token units (eps per token)")
@@ -320,7 +323,7 @@ class SanTextPlus(TokenLevelBaseline):
     """SANTEXT+ on prompts: sensitive tokens always resampled; frequent ones resampled w.p. p, else KEPT."""
 
     name = "santext+"
-    unit = PrivacyUnit.ETA_TOKEN
+    unit = SanTextPlusMechanism.unit
     guarantee = ("metric LDP between sensitive tokens only: against a prompt of the same length with the same "
                  "frequent tokens in the same places, the loss is at most eps * sum of ||phi(x_i) - phi(x'_i)|| over "
                  "the sensitive positions; a frequent token has no guarantee (kept verbatim w.p. 1 - p). The totals "

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
 from privlm.baselines.common import text_positions
 from privlm.baselines.neighbours import check_token_ids
@@ -40,6 +40,7 @@ from privlm.models import SplitModel, TokenBatch
 from privlm.models.batching import map_in_length_order
 from privlm.models.prompts import NonSensitiveTokens
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_positive_finite, check_positive_int
 
 
 def release_nearest(noise: DChiLaplace, rows: torch.Tensor, table: torch.Tensor, *,
@@ -100,6 +101,7 @@ class Text2TextMechanism:
     Discrete outputs, but no ``log_probabilities``: the law has no closed form (see the module doc).
     """
 
+    unit: ClassVar[PrivacyUnit] = DChiLaplace.unit  # d_chi's, kept by the projection (post-processing)
     vocabulary: CandidateVocabulary
     eta: float
     chunk_size: int = 1024
@@ -138,14 +140,14 @@ class Text2TextMechanism:
 
     def spend(self, x: torch.Tensor) -> Spend:
         """eta per released token, in eta-tokens."""
-        return Spend(PrivacyUnit.ETA_TOKEN, self.eta * x.numel())
+        return Spend(self.unit, self.eta * x.numel())
 
 
 class Text2TextPerturber(TokenLevelBaseline):
     """Token-level Text2Text on Cape's candidate vocabulary; ``epsilon`` is the d_chi level eta."""
 
     name = "text2text"
-    unit = PrivacyUnit.ETA_TOKEN
+    unit = Text2TextMechanism.unit
     guarantee = ("eta * sum_i ||phi(x_i) - phi(x'_i)|| against any prompt of the same length (the same "
                  "non-sensitive tokens in the same places when they are kept); totals are in eta-tokens, eta per "
                  "perturbed token; the token count is revealed")

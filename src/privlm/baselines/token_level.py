@@ -39,7 +39,7 @@ class TokenLevelBaseline:
     token-id mechanism whose outputs are candidate indices), or their own ``release``."""
 
     name: str = "token-level"
-    unit: PrivacyUnit = PrivacyUnit.EPSILON
+    unit: PrivacyUnit  # what the ledger counts: each subclass reads its mechanism class's unit
     guarantee: str = ""
     mechanism: Mechanism
 
@@ -51,6 +51,12 @@ class TokenLevelBaseline:
         self.non_sensitive = non_sensitive  # None: every token is perturbed
         self.generator = generator or make_generator(device=vocabulary.device)
         self.ledger, self.principal = ledger, principal
+
+    @classmethod
+    def check(cls, vocabulary: CandidateVocabulary, *, epsilon: float) -> None:
+        """Refuse what the constructor, with its defaults, would refuse on ``vocabulary`` at ``epsilon``, building
+        nothing (the registry's check)."""
+        check_epsilon(epsilon)
 
     @classmethod
     def from_model(cls, model: LanguageModel, **options: Any) -> Self:

@@ -10,8 +10,8 @@ from privlm.cape import registration  # noqa: F401 (it registers cape, its ablat
 from privlm.cape.accounting import GUARANTEE, PairBound
 from privlm.cape.calibration import LogitBound
 from privlm.cape.config import CapeConfig
-from privlm.cape.model import Cape, CapeMechanism, PreparedPrompt
-from privlm.cape.public import PublicContextCape
+from privlm.cape.model import Cape, CapeMechanism, CapeOptions, PreparedPrompt
+from privlm.cape.public import PublicContextCape, PublicContextOptions
 from privlm.cape.sampling import CapeBucketizedMechanism
 
 __all__ = [
@@ -20,8 +20,10 @@ __all__ = [
     "CapeBucketizedMechanism",
     "CapeConfig",
     "CapeMechanism",
+    "CapeOptions",
     "LogitBound",
     "PairBound",
     "PreparedPrompt",
     "PublicContextCape",
+    "PublicContextOptions",
 ]

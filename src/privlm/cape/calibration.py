@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
-from privlm._validation import validated
+from privlm.validation import validated
 
 FORMAT: Literal["privlm.cape.logit-bound/1"] = "privlm.cape.logit-bound/1"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from privlm._validation import check_choice, check_non_negative_finite, check_positive_finite, check_positive_int
 from privlm.models.text_mechanisms import check_epsilon
+from privlm.validation import check_choice, check_non_negative_finite, check_positive_finite, check_positive_int
 
 OnUncalibrated = Literal["error", "calibrate"]
 ON_UNCALIBRATED: tuple[OnUncalibrated, ...] = ("error", "calibrate")

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from privlm._validation import check_in_interval
 from privlm.accounting import Ledger
 from privlm.cape.accounting import (
     GUARANTEE,
@@ -69,6 +68,7 @@ from privlm.models.perturbation import (
 )
 from privlm.models.prompts import NonSensitiveTokens, PromptTokens, tokenize_prompt
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_in_interval
 
 CapeMechanism = CapeBucketizedMechanism | ExponentialMechanism
 
@@ -85,13 +85,38 @@ class PreparedPrompt:
     prepared_by: tuple[object, ...] = ()  # the Cape that made it: device model, lambdas, B (release checks it)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CapeOptions:
+    """Cape's less often set knobs (defaults from the paper: lambda_L = 0.5, lambda_D = 1.0, N_b = 50).
+
+    ``n_buckets=None``: the plain exponential mechanism on the hybrid utility. ``on_uncalibrated``: what Cape does
+    without B when ``lambda_L > 0`` (see :class:`Cape`). ``non_sensitive``: the tokens that pass unchanged (None:
+    English stopwords and punctuation). ``batch_size``: prompts per forward pass. Checked with epsilon, in
+    :class:`~privlm.cape.config.CapeConfig`.
+    """
+
+    lambda_L: float = 0.5  # noqa: N815 (the paper's name)
+    lambda_D: float = 1.0  # noqa: N815
+    n_buckets: int | None = 50
+    on_uncalibrated: OnUncalibrated = "error"
+    non_sensitive: NonSensitiveTokens | None = None
+    batch_size: int = 16
+
+    def config(self, *, epsilon: float, logit_bound: float | LogitBound | None) -> CapeConfig:
+        """The configuration these options give at ``epsilon`` with B (refused when out of range)."""
+        bound = logit_bound.value if isinstance(logit_bound, LogitBound) else logit_bound
+        return CapeConfig(epsilon=epsilon, lambda_L=self.lambda_L, lambda_D=self.lambda_D, n_buckets=self.n_buckets,
+                          logit_bound=bound, on_uncalibrated=self.on_uncalibrated, batch_size=self.batch_size)
+
+
 class Cape:
     """Cape with privlm's utility (:mod:`privlm.cape.utility`) and accounting (:mod:`privlm.cape.accounting`).
 
     ``device_model``: ``"smollm2"`` (the default causal LM), a local folder of a causal or masked LM, or a
     loaded :class:`LanguageModel` (``device`` applies only when loading). ``epsilon`` is per perturbed token.
-    ``n_buckets=None``: the plain exponential mechanism on the hybrid utility. ``logit_bound``: B as a
-    number, or a :class:`LogitBound` calibrated on this very model (else refused). When B is not set
+    ``logit_bound``: B as a number, or a :class:`LogitBound` calibrated on this very model (else refused).
+    ``options``: the utility's weights, the buckets (``n_buckets=None``: the plain exponential mechanism on the
+    hybrid utility), the non-sensitive tokens and the batch size (:class:`CapeOptions`). When B is not set
     and ``lambda_L > 0``, ``on_uncalibrated="error"`` refuses to run; ``"calibrate"`` warns and
     calibrates on the first prompts it sees (B then depends on those prompts: each release's guarantee
     with respect to its own prompt holds whatever B is, because every utility stays in [0, Delta]; but
@@ -102,26 +127,29 @@ class Cape:
     name = "cape"
     unit = PrivacyUnit.EPSILON  # what its ledger charges count: the sound per-prompt total of privlm.cape.accounting
 
-    def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, lambda_L: float = 0.5,
-                 lambda_D: float = 1.0, n_buckets: int | None = 50, logit_bound: float | LogitBound | None = None,
-                 on_uncalibrated: OnUncalibrated = "error", non_sensitive: NonSensitiveTokens | None = None,
+    def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float,
+                 logit_bound: float | LogitBound | None = None, options: CapeOptions | None = None,
                  generator: torch.Generator | None = None, ledger: Ledger | None = None, principal: str = "local",
-                 batch_size: int = 16, device: str = "auto") -> None:
-        bound = logit_bound.value if isinstance(logit_bound, LogitBound) else logit_bound
-        self.config = CapeConfig(epsilon=epsilon, lambda_L=lambda_L, lambda_D=lambda_D, n_buckets=n_buckets,
-                                 logit_bound=bound, on_uncalibrated=on_uncalibrated, batch_size=batch_size)
+                 device: str = "auto") -> None:
+        options = options or CapeOptions()
+        self.config = options.config(epsilon=epsilon, logit_bound=logit_bound)
         self.device_model = (device_model if isinstance(device_model, LanguageModel)
                              else LanguageModel.from_pretrained(device_model, device=device))
-        if self.device_model.kind == "masked" and self.device_model.tokenizer.mask_token_id is None:
-            raise ValueError("a masked device model needs a tokenizer with a mask token; this one has none")
+        _check_device_model(self.device_model, logit_bound)
         self.logit_bound = logit_bound if isinstance(logit_bound, LogitBound) else None
-        if self.logit_bound is not None:
-            self.logit_bound.check_model(self.device_model.weights_fingerprint)
         self.room = context_room(self.device_model)
         self._head = tied_head(self.device_model) if self.config.uses_logits else None
-        self.non_sensitive = non_sensitive or NonSensitiveTokens.english()
+        self.non_sensitive = options.non_sensitive or NonSensitiveTokens.english()
         self.generator = resolve_generator(generator, self.device_model.device)
         self.ledger, self.principal = ledger, principal
+
+    @staticmethod
+    def check(device_model: LanguageModel, *, epsilon: float, logit_bound: float | LogitBound | None = None,
+              options: CapeOptions | None = None) -> None:
+        """Refuse what the constructor would refuse for these arguments, building nothing: a configuration out of
+        range, a masked model without a mask token, a bound calibrated on another model."""
+        (options or CapeOptions()).config(epsilon=epsilon, logit_bound=logit_bound)
+        _check_device_model(device_model, logit_bound)
 
     @property
     def vocabulary(self) -> CandidateVocabulary:
@@ -332,6 +360,13 @@ class Cape:
             bound = torch.full((u.shape[0],), mechanism.epsilon, dtype=torch.float64)
         return PairBound(positions=first.positions, per_position=tuple(bound.tolist()), exact=tuple(exact.tolist()),
                          epsilon=mechanism.epsilon)
+
+
+def _check_device_model(device_model: LanguageModel, logit_bound: float | LogitBound | None) -> None:
+    if device_model.kind == "masked" and device_model.tokenizer.mask_token_id is None:
+        raise ValueError("a masked device model needs a tokenizer with a mask token; this one has none")
+    if isinstance(logit_bound, LogitBound):
+        logit_bound.check_model(device_model.weights_fingerprint)
 
 
 def _batches(items: list[PromptTokens], size: int) -> list[list[PromptTokens]]:

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_in_interval
 from privlm.accounting import Ledger
 from privlm.cape.utility import Query, candidate_columns, context_room, device_logits, distance_scores, wrapping
 from privlm.mechanisms import BaseMeasureExponentialMechanism, PrivacyUnit
@@ -66,6 +65,7 @@ from privlm.models.perturbation import (
 from privlm.models.prompts import NonSensitiveTokens, PromptTokens, tokenize_prompt
 from privlm.models.text_mechanisms import check_epsilon
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_in_interval
 
 PRIVLM = Accounting.PRIVLM
 PLACEHOLDERS = (" ___", " _", "_")  # a blank, in the order tried when no placeholder is given
@@ -122,55 +122,88 @@ def round_query(released: Sequence[int], positions: Sequence[int], rounds_of: Se
     return Query(ids=tuple(ids), positions=tuple(p for p, r in zip(positions, rounds_of, strict=True) if r == round_))
 
 
+def placeholder_id(device_model: LanguageModel, placeholder: str | None) -> int:
+    """The token id of ``placeholder`` (one token of the device model), or of the first of PLACEHOLDERS that is one,
+    else of its unknown token."""
+    tokenizer = device_model.tokenizer
+    for text in (placeholder,) if placeholder is not None else PLACEHOLDERS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:
+            return int(ids[0])
+    if placeholder is None and tokenizer.unk_token_id is not None:
+        return int(tokenizer.unk_token_id)
+    raise ValueError(f"the placeholder must be one token of the device model; {placeholder!r} is not"
+                     if placeholder is not None else "the device model's tokenizer has no one-token placeholder "
+                     f"({', '.join(map(repr, PLACEHOLDERS))}) and no unknown token: pass placeholder=")
+
+
+def _check_causal(device_model: LanguageModel) -> None:
+    if device_model.kind != "causal":
+        raise ValueError("cape-public conditions the device model on the released prefix, which a masked LM "
+                         f"cannot do ({device_model.name} is {device_model.kind}): use a causal "
+                         "device model, or cape, whose masked-LM context is private")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublicContextOptions:
+    """cape-public's knobs. ``tau`` >= 0 and ``top_p`` in (0, 1]: the public base measure (see the module doc; the
+    defaults, tau 2 and top-p 1, are ``privlm bench chat-quality``'s choice on its training prompts); ``rounds``: None
+    (one decode step per perturbed position, on the released prefix) or k >= 1 (at most k forward passes, with
+    ``placeholder``, one token, where a position is not released yet; see the module doc; None: the first of
+    PLACEHOLDERS that is one token of the device model, else its unknown token); ``non_sensitive``: the tokens that
+    pass unchanged (None: English stopwords and punctuation); ``batch_size``: chunks per forward pass."""
+
+    tau: float = 2.0
+    top_p: float = 1.0
+    rounds: int | None = None
+    placeholder: str | None = None
+    non_sensitive: NonSensitiveTokens | None = None
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tau", check_in_interval("tau", self.tau, 0, math.inf, high_open=True))
+        object.__setattr__(self, "top_p", check_in_interval("top_p", self.top_p, 0, 1, low_open=True))
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        rounds = self.rounds
+        if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1):
+            raise ValueError(f"rounds must be None or an integer >= 1, got {rounds!r}")
+
+
 class PublicContextCape:
     """cape-public on a causal device model. ``epsilon``: per perturbed token (what the ledger is charged per
-    token); ``tau`` >= 0 and ``top_p`` in (0, 1]: the public base measure (see the module doc; the defaults,
-    tau 2 and top-p 1, are ``privlm bench chat-quality``'s choice on its training prompts);
-    ``rounds``: None (one decode step per perturbed position, on the released prefix) or k >= 1 (at most k forward
-    passes, with ``placeholder``, one token, where a position is not released yet; see the module doc; None: the
-    first of PLACEHOLDERS that is one token of the device model, else its unknown token);
+    token); ``options``: the base measure, the rounds and the rest (:class:`PublicContextOptions`);
     ``generator``: the only source of randomness (OS-seeded when None); ``ledger``: charged
     (perturbed tokens) x epsilon per prompt under ``principal``, before anything is drawn."""
 
     name = "cape-public"
     unit = PrivacyUnit.EPSILON
 
-    def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float, tau: float = 2.0,
-                 top_p: float = 1.0, rounds: int | None = None, placeholder: str | None = None,
-                 non_sensitive: NonSensitiveTokens | None = None,
-                 generator: torch.Generator | None = None, ledger: Ledger | None = None, principal: str = "local",
-                 batch_size: int = 16, device: str = "auto") -> None:
+    def __init__(self, device_model: str | LanguageModel = "smollm2", *, epsilon: float,
+                 options: PublicContextOptions | None = None, generator: torch.Generator | None = None,
+                 ledger: Ledger | None = None, principal: str = "local", device: str = "auto") -> None:
         self.epsilon = check_epsilon(epsilon)
-        self.tau = check_in_interval("tau", tau, 0, math.inf, high_open=True)
-        self.top_p = check_in_interval("top_p", top_p, 0, 1, low_open=True)
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1):
-            raise ValueError(f"rounds must be None or an integer >= 1, got {rounds!r}")
-        self.batch_size, self.rounds = batch_size, rounds
+        options = options or PublicContextOptions()
+        self.tau, self.top_p, self.rounds = options.tau, options.top_p, options.rounds
+        self.batch_size = options.batch_size
         self.device_model = (device_model if isinstance(device_model, LanguageModel)
                              else LanguageModel.from_pretrained(device_model, device=device))
-        if self.device_model.kind != "causal":
-            raise ValueError("cape-public conditions the device model on the released prefix, which a masked LM "
-                             f"cannot do ({self.device_model.name} is {self.device_model.kind}): use a causal "
-                             "device model, or cape, whose masked-LM context is private")
+        _check_causal(self.device_model)
         self.room = context_room(self.device_model)
-        self.placeholder_id = -1 if rounds is None else self._placeholder_id(placeholder)
-        self.non_sensitive = non_sensitive or NonSensitiveTokens.english()
+        self.placeholder_id = -1 if options.rounds is None else placeholder_id(self.device_model, options.placeholder)
+        self.non_sensitive = options.non_sensitive or NonSensitiveTokens.english()
         self.generator = resolve_generator(generator, self.device_model.device)
         self.ledger, self.principal = ledger, principal
 
-    def _placeholder_id(self, placeholder: str | None) -> int:
-        tokenizer = self.device_model.tokenizer
-        for text in (placeholder,) if placeholder is not None else PLACEHOLDERS:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) == 1:
-                return int(ids[0])
-        if placeholder is None and tokenizer.unk_token_id is not None:
-            return int(tokenizer.unk_token_id)
-        raise ValueError(f"the placeholder must be one token of the device model; {placeholder!r} is not"
-                         if placeholder is not None else "the device model's tokenizer has no one-token placeholder "
-                         f"({', '.join(map(repr, PLACEHOLDERS))}) and no unknown token: pass placeholder=")
+    @staticmethod
+    def check(device_model: LanguageModel, *, epsilon: float, options: PublicContextOptions | None = None) -> None:
+        """Refuse what the constructor would refuse for these arguments, building nothing: epsilon out of range, a
+        masked device model, a placeholder that is not one token of it."""
+        check_epsilon(epsilon)
+        _check_causal(device_model)
+        options = options or PublicContextOptions()
+        if options.rounds is not None:
+            placeholder_id(device_model, options.placeholder)
 
     @property
     def vocabulary(self) -> CandidateVocabulary:

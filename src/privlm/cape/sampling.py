@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_int
 from privlm.mechanisms import Bucketing, BucketizedExponentialMechanism
 from privlm.mechanisms.randomness import resolve_generator
+from privlm.validation import check_float_tensor, check_positive_int
 
 _WIDTH_TOLERANCE = 1e-9
 

@@ -12,8 +12,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from privlm._validation import check_positive_int
 from privlm.models.chat import ChatModel
+from privlm.validation import check_positive_int
 
 INSTRUCTION = ("You answer the user's question. Another assistant answered a noisy version of the same question; "
                "its draft may help, or may be about the wrong details. Write the answer to the user's question.")

@@ -74,7 +74,7 @@ def cape_perturb(
     import privlm.baselines
     import privlm.cape  # noqa: F401 (Cape's variants register by name)
     from privlm.cape import LogitBound
-    from privlm.gateway.settings import require_logit_bound
+    from privlm.gateway.setup import require_logit_bound
     from privlm.mechanisms import make_generator
     from privlm.models.language import LanguageModel
     from privlm.models.text_mechanisms import MechanismContext, build_mechanism, check_epsilon, text_mechanism

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from privlm.cli.options import settings_command
 from privlm.cli.root import app
+from privlm.settings.detect import TrainSettings
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -263,26 +265,8 @@ def _print_text(console: Console, text: Text) -> None:
     console.print(text, end="" if text.plain.endswith("\n") else "\n")
 
 
-@detect_app.command("train")
-def detect_train(
-    out: Annotated[Path, typer.Option(help="Folder for tagger.safetensors and tagger.json (the package ships "
-                                      "src/privlm/detect/data).")] = Path("runs/detect-tagger"),
-    train_examples: Annotated[int, typer.Option(min=1, help="Synthetic training examples.")] = 20_000,
-    validation_examples: Annotated[int, typer.Option(min=1, help="Examples the thresholds are chosen on.")] = 3_000,
-    test_examples: Annotated[int, typer.Option(min=1, help="Examples scored once, after everything is chosen "
-                                               "(unseen templates and values).")] = 3_000,
-    negatives: Annotated[int, typer.Option(min=0, help="Public texts (WordNet, fortunes, tweets) drawn as "
-                                           "filler and negatives.")] = 30_000,
-    epochs: Annotated[int, typer.Option(min=1)] = 6,
-    learning_rate: Annotated[float, typer.Option(min=0.0)] = 2e-3,
-    beta: Annotated[float, typer.Option(min=0.0, help="Thresholds maximise token F-beta: recall weighs beta² "
-                                        "times precision.")] = 2.0,
-    seed: Annotated[int, typer.Option()] = 20261129,
-    hold_out: Annotated[list[Path] | None, typer.Option(help="A file of values never to draw, one a line (names: "
-                                                        "each part too); repeatable. The shipped tagger held out "
-                                                        "benchmarks/detect/held-out-values.txt.")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-) -> None:
+@settings_command(detect_app, "train", TrainSettings, env_prefix="PRIVLM_DETECT_TRAIN")
+def detect_train(settings: TrainSettings) -> None:
     """Train the tagger on synthetic data from the committed generator; choose thresholds on validation."""
     from privlm.data import public_corpus
     from privlm.detect import Layer
@@ -290,22 +274,20 @@ def detect_train(
     from privlm.detect.patterns import PatternLayer
     from privlm.detect.synthetic import plain_public_texts
     from privlm.detect.tagger import TaggerConfig, load_features, write_tagger
-    from privlm.detect.training import TrainSettings, train_tagger, training_vocabularies
+    from privlm.detect.training import train_tagger, training_vocabularies
     from privlm.provenance import provenance
 
-    settings = TrainSettings(train_examples=train_examples, validation_examples=validation_examples,
-                             test_examples=test_examples, epochs=epochs, learning_rate=learning_rate, beta=beta,
-                             seed=seed)
     vocabularies = training_vocabularies(default_gazetteer().entries)
     marking: list[Layer] = [PatternLayer(), GazetteerLayer()]
-    public = plain_public_texts(public_corpus(limit=negatives, seed=seed), marking) if negatives else []
-    features, fingerprint = load_features(TaggerConfig(), device)
-    held_out = [line.strip() for path in hold_out or [] for line in _read(str(path)).splitlines() if line.strip()]
-    started = provenance(seed=seed)
+    negatives = settings.negatives
+    public = plain_public_texts(public_corpus(limit=negatives, seed=settings.seed), marking) if negatives else []
+    features, fingerprint = load_features(TaggerConfig(), settings.device)
+    held_out = [line.strip() for path in settings.hold_out for line in _read(path).splitlines() if line.strip()]
+    started = provenance(seed=settings.seed)
     head, card = train_tagger(features, fingerprint, vocabularies=vocabularies, negatives=public, settings=settings,
                               held_out=held_out)
     card.training["provenance"] = started
-    write_tagger(out, head, card)
+    write_tagger(Path(settings.out), head, card)
     test = card.training["test"]
-    typer.echo(f"wrote {out}: test tokens recall (any kind) {test['any']['recall']:.4f}, "  # type: ignore[index]
+    typer.echo(f"wrote {settings.out}: test tokens recall (any kind) {test['any']['recall']:.4f}, "  # type: ignore[index]
                f"precision {test['any']['precision']:.4f}")  # type: ignore[index]

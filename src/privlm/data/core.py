@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from privlm._validation import check_choice, check_in_interval, check_positive_int
+from privlm.validation import check_choice, check_in_interval, check_positive_int
 
 logger = logging.getLogger("privlm.data")
 
@@ -54,10 +54,11 @@ class Task:
     @property
     def metrics(self) -> tuple[str, ...]:
         """Everything worth reporting: accuracy and AUC always, plus the headline metric."""
-        return tuple(dict.fromkeys(("accuracy", _default_metric(self.n_classes), self.metric)))
+        return tuple(dict.fromkeys(("accuracy", default_metric(self.n_classes), self.metric)))
 
 
-def _default_metric(n_classes: int) -> str:
+def default_metric(n_classes: int) -> str:
+    """The headline metric of a task with ``n_classes`` labels: AUC for two, macro AUC for more."""
     return "auc" if n_classes == 2 else "macro_auc"
 
 
@@ -127,13 +128,15 @@ class Splits:
 # ---------------------------------------------------------------- validation and sampling
 
 
-def _check_seed(seed: object) -> int:
+def check_seed(seed: object) -> int:
+    """``seed`` if it is an integer >= 0 (a loader's seed), else a ValueError naming it."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     return seed
 
 
-def _check_limit(limit: object) -> int | None:
+def check_limit(limit: object) -> int | None:
+    """``limit`` if it is None or an integer >= 1 (a loader's subsample size), else a ValueError naming it."""
     return None if limit is None else check_positive_int("limit", limit)
 
 
@@ -182,7 +185,7 @@ def split_dataset(
                         for name, value in (("validation", validation), ("test", test)))
     if validation + test >= 1:
         raise ValueError(f"validation + test must be < 1, got validation={validation}, test={test}")
-    rng = np.random.default_rng(_check_seed(seed))
+    rng = np.random.default_rng(check_seed(seed))
     groups = [np.flatnonzero(data.labels == c) for c in np.unique(data.labels)] if stratify else [np.arange(len(data))]
     parts: dict[str, list[np.ndarray]] = {"train": [], "validation": [], "test": []}
     for group in groups:
@@ -203,7 +206,7 @@ def _clean(text: str) -> str:
     return _SPACE.sub(" ", _CONTROL.sub("", text)).strip()
 
 
-def _finish(
+def finish_dataset(
     task: Task,
     rows: Sequence[tuple[str, str | None, int]],
     report: dict[str, Any],
@@ -212,7 +215,9 @@ def _finish(
     seed: int,
     shuffle: bool = True,
 ) -> TextDataset:
-    """Subsample (stratified by label) and shuffle, or keep file order when not ``shuffle``; log the report."""
+    """A loader's dataset from its (text, text pair or None, label id) rows and :func:`new_report`: subsampled to
+    ``limit`` (stratified by label, seeded) and shuffled, or kept in file order when not ``shuffle``; the report
+    gets its totals and is logged."""
     labels = np.array([r[2] for r in rows], dtype=np.int64)
     order = _stratified_sample(labels, limit, np.random.default_rng(seed))
     if not shuffle:
@@ -230,7 +235,9 @@ def _finish(
     return data
 
 
-def _new_report(source: object, **extra: Any) -> dict[str, Any]:
+def new_report(source: object, **extra: Any) -> dict[str, Any]:
+    """A loader's empty report on ``source``: count ``rows_read`` and each ``skipped`` row (Counters by reason) into
+    it, then pass it to :func:`finish_dataset`; ``extra`` are the loader's own facts."""
     return {"source": str(source), "rows_read": 0, "kept": 0, "skipped": Counter(), "filtered": Counter(), **extra}
 
 

@@ -19,21 +19,21 @@ from typing import Any, Literal
 
 import numpy as np
 
-from privlm._validation import check_choice, check_in_interval, check_positive_int
 from privlm.data.core import (
     PathLike,
     Task,
     TextDataset,
-    _check_limit,
     _check_names,
-    _check_seed,
     _clean,
     _dedupe,
-    _default_metric,
-    _finish,
-    _new_report,
+    check_limit,
+    check_seed,
+    default_metric,
+    finish_dataset,
     logger,
+    new_report,
 )
+from privlm.validation import check_choice, check_in_interval, check_positive_int
 
 TWEET_LABELS = ("negative", "neutral", "positive")
 WORDNET_POS = ("noun", "verb", "adj", "adv")
@@ -79,7 +79,7 @@ def tweets_path() -> Path:
 @functools.lru_cache(maxsize=4)
 def _parse_tweets(path: str) -> tuple[tuple[tuple[str, str, float], ...], dict[str, Any]]:
     """Cleaned, deduplicated (text, label, confidence) rows; confidence is NaN where the file has none."""
-    report = _new_report(path)
+    report = new_report(path)
     rows: list[tuple[str, str, float]] = []
     with open(path, encoding="utf-8", errors="replace", newline="") as handle:
         reader = csv.reader(handle)
@@ -125,7 +125,7 @@ def load_tweets(
     """
     min_confidence = check_in_interval("min_confidence", min_confidence, 0, 1)
     names = _check_names("labels", labels, TWEET_LABELS, minimum=2)
-    limit, seed = _check_limit(limit), _check_seed(seed)
+    limit, seed = check_limit(limit), check_seed(seed)
     parsed, base = _parse_tweets(str(Path(path) if path is not None else tweets_path()))
     report = {**base, "skipped": Counter(base["skipped"]), "filtered": Counter(), "min_confidence": min_confidence}
     rows = []
@@ -139,8 +139,8 @@ def load_tweets(
         else:
             rows.append((text, None, names.index(label)))
     suffix = "" if names == TWEET_LABELS else "-binary" if names == ("negative", "positive") else "-" + "-".join(names)
-    task = Task(f"tweets{suffix}", "single", names, _default_metric(len(names)))
-    return _finish(task, rows, report, limit=limit, seed=seed)
+    task = Task(f"tweets{suffix}", "single", names, default_metric(len(names)))
+    return finish_dataset(task, rows, report, limit=limit, seed=seed)
 
 
 # ---------------------------------------------------------------- WordNet (Debian wordnet-base)
@@ -202,10 +202,10 @@ def load_wordnet(
     """
     check_choice("part", part, ("examples", "glosses"))
     check_choice("label", label, ("pos", "lexname"))
-    limit, seed = _check_limit(limit), _check_seed(seed)
+    limit, seed = check_limit(limit), check_seed(seed)
     path = _corpus_dir(root, WORDNET_DIR, [f"data.{pos}" for pos in WORDNET_POS], "WordNet")
     candidates, skipped, read = _wordnet_texts(str(path), part)
-    report = _new_report(path, part=part, synsets=len(_parse_wordnet(str(path))))
+    report = new_report(path, part=part, synsets=len(_parse_wordnet(str(path))))
     report.update(rows_read=read, skipped=Counter(skipped))
     column = 1 if label == "pos" else 2
     rows = _dedupe(((r[0], r[column]) for r in candidates), report)
@@ -213,8 +213,8 @@ def load_wordnet(
     lexnames = tuple(dict.fromkeys(n for n in (*_LEXNAMES, *sorted(present)) if n in present))
     names = WORDNET_POS if label == "pos" else lexnames
     task_name = f"wordnet-{label}" if part == "examples" else f"wordnet-{part}-{label}"
-    task = Task(task_name, "single", names, _default_metric(len(names)))
-    return _finish(task, [(t, None, names.index(n)) for t, n in rows], report, limit=limit, seed=seed)
+    task = Task(task_name, "single", names, default_metric(len(names)))
+    return finish_dataset(task, [(t, None, names.index(n)) for t, n in rows], report, limit=limit, seed=seed)
 
 
 # ---------------------------------------------------------------- fortunes (Debian fortunes)
@@ -277,12 +277,12 @@ def load_fortunes(
     """
     max_chars = check_positive_int("max_chars", max_chars)
     min_per_category = check_positive_int("min_per_category", min_per_category)
-    limit, seed = _check_limit(limit), _check_seed(seed)
+    limit, seed = check_limit(limit), check_seed(seed)
     path = _fortunes_dir(root)
     parsed = _parse_fortunes(str(path))
     known = tuple(c for c, _ in parsed)
     wanted = known if categories is None else _check_names("categories", categories, known)
-    report = _new_report(path, max_chars=max_chars, min_per_category=min_per_category)
+    report = new_report(path, max_chars=max_chars, min_per_category=min_per_category)
     candidates = []
     for category, entries in parsed:
         report["rows_read"] += len(entries)
@@ -303,9 +303,9 @@ def load_fortunes(
     names = tuple(c for c in wanted if c not in small)
     if len(names) < 2:
         raise ValueError(f"fewer than 2 categories keep min_per_category={min_per_category} entries: {names}")
-    task = Task("fortunes", "single", names, _default_metric(len(names)))
+    task = Task("fortunes", "single", names, default_metric(len(names)))
     kept = [(t, None, names.index(c)) for t, c in rows if c not in small]
-    return _finish(task, kept, report, limit=limit, seed=seed)
+    return finish_dataset(task, kept, report, limit=limit, seed=seed)
 
 
 # ---------------------------------------------------------------- unlabelled public text
@@ -338,7 +338,7 @@ def public_corpus(
     as given and after the loaders' cleaning.
     """
     wanted = _check_names("sources", sources, PUBLIC_SOURCES)
-    limit, seed = _check_limit(limit), _check_seed(seed)
+    limit, seed = check_limit(limit), check_seed(seed)
     if isinstance(exclude, str) or not isinstance(exclude, Iterable):
         raise ValueError(f"exclude must be a collection of texts, got {type(exclude).__name__}")
     excluded = set(exclude)

@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -22,21 +23,10 @@ from privlm.detect.spans import KINDS, Kind
 from privlm.detect.synthetic import COUNTRY, VOCABULARY_KINDS, Example, Generator
 from privlm.detect.tagger import LABELS, TaggerCard, TaggerConfig, TaggerHead, TokenFeatures, write_tagger
 from privlm.models.device import forked_rng
+from privlm.settings.detect import TrainSettings
 
 UNTUNED_THRESHOLD = 0.5  # a kind with no validation token (the card lists it)
 THRESHOLD_GRID = tuple(round(t, 2) for t in np.arange(0.05, 0.96, 0.05))
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    train_examples: int = 20_000
-    validation_examples: int = 3_000
-    test_examples: int = 3_000
-    epochs: int = 6
-    learning_rate: float = 2e-3
-    batch_tokens: int = 4096
-    beta: float = 2.0
-    seed: int = 20261129
 
 
 def token_labels(offsets: np.ndarray, spans: Sequence[tuple[int, int, Kind]]) -> np.ndarray:
@@ -157,7 +147,8 @@ def train_tagger(features: TokenFeatures, fingerprint: str, *, vocabularies: Map
     val_probs = probabilities(head, tokens["validation"][0])
     thresholds = choose_thresholds(val_probs, tokens["validation"][1].numpy(), settings.beta)
     test_probs = probabilities(head, tokens["test"][0])
-    training = {"settings": asdict(settings), "seconds": round(time.monotonic() - started, 1),
+    # The settings as the card's JSON will hold them (tuples as lists).
+    training = {"settings": json.loads(json.dumps(asdict(settings))), "seconds": round(time.monotonic() - started, 1),
                 "tokens": {split: len(t[1]) for split, t in tokens.items()},
                 "validation": token_scores(val_probs, tokens["validation"][1].numpy(), thresholds),
                 "test": token_scores(test_probs, tokens["test"][1].numpy(), thresholds),

@@ -28,15 +28,8 @@ from privlm.accounting import Ledger
 from privlm.cape.calibration import LogitBound
 from privlm.chat.extraction import AnswerExtractor
 from privlm.chat.service.audit import AuditLog
-from privlm.chat.service.completions import ChatOptions, chat_router, closing_upstream
-from privlm.chat.service.guardrail import (
-    GUARDRAIL_DEADLINE,
-    GUARDRAIL_MAX_IN_FLIGHT,
-    REFUSAL_ANSWERS,
-    ChargeTo,
-    guardrail_lanes,
-    guardrail_router,
-)
+from privlm.chat.service.completions import ChatCompletionsRoutes, closing_upstream
+from privlm.chat.service.guardrail import REFUSAL_ANSWERS, GuardrailRoutes, guardrail_lanes
 from privlm.chat.service.memory import ConversationMemory
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.chat.service.upstream import ChatUpstream
@@ -44,8 +37,10 @@ from privlm.detect.service import DetectorSource, detect_router
 from privlm.models.language import LanguageModel
 from privlm.models.text_mechanisms import text_mechanism
 from privlm.service import BearerKeys, ModelEntry, ServiceOptions, catalog_router, create_service_app
+from privlm.settings.chat import MAX_PROMPT_TOKENS, ChatOptions
+from privlm.settings.gateway import EmbeddingsOptions
 from privlm.snd.service.client import Client
-from privlm.snd.service.gateway import MAX_REQUEST_TOKENS, embeddings_routes
+from privlm.snd.service.gateway import EmbeddingsRoutes
 
 MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -55,8 +50,7 @@ class EmbeddingsSetup:
     """SnD embeddings through ``client`` (a remote ``privlm serve``; eta, denoiser and ledger set on it)."""
 
     client: Client
-    truncate: bool = False
-    max_request_tokens: int = MAX_REQUEST_TOKENS
+    options: EmbeddingsOptions = field(default_factory=EmbeddingsOptions)  # the gateway's settings are such options
 
 
 @dataclass(frozen=True)
@@ -66,14 +60,12 @@ class ChatSetup:
     privacy: PromptPrivacy
     upstream: ChatUpstream
     models: Sequence[str] = ()
+    # How the routes treat requests, and the guardrail (it charges ids its caller names: mount it only where
+    # LiteLLM alone holds a key); the gateway's settings are such options.
     options: ChatOptions = field(default_factory=ChatOptions)
     audit: AuditLog | None = None
     extractor: AnswerExtractor | None = None
     memory: ConversationMemory | None = None  # conversation memory (privlm.chat.service.memory); None: none
-    guardrail: bool = False  # it charges ids its caller names: mount it only where LiteLLM alone holds a key
-    guardrail_charge: ChargeTo = "key-and-end-user"
-    guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT  # the guardrail route's own places (LiteLLM's burst)
-    guardrail_deadline: float = GUARDRAIL_DEADLINE  # seconds to answer, queue included: below LiteLLM's timeout
 
 
 def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: ChatSetup | None = None,
@@ -88,37 +80,43 @@ def create_privacy_gateway(*, embeddings: EmbeddingsSetup | None = None, chat: C
     offered: list[ModelEntry] = []
     health: dict[str, object] = {}
     if embeddings is not None:
-        routes = embeddings_routes(embeddings.client, auth=auth, truncate=embeddings.truncate,
-                                   max_request_tokens=embeddings.max_request_tokens)
-        routers.append(routes.router)
-        offered += routes.offered
-        health["embeddings"] = routes.health
+        embedding_routes = EmbeddingsRoutes(embeddings.client, auth=auth, options=embeddings.options)
+        routers.append(embedding_routes.router())
+        offered += embedding_routes.offered
+        health["embeddings"] = embedding_routes.health
     if chat is not None:
-        batcher = chat.privacy.batched()  # one queue for the device model, whichever route perturbs
-        routers.append(chat_router(chat.privacy, chat.upstream, auth=auth, options=chat.options, audit=chat.audit,
-                                   extractor=chat.extractor, memory=chat.memory, batcher=batcher))
-        if chat.guardrail:
-            routers.append(guardrail_router(chat.privacy, charge_to=chat.guardrail_charge, audit=chat.audit,
-                                            memory=chat.memory, batcher=batcher, deadline=chat.guardrail_deadline))
+        routers += _chat_routers(chat, auth)
         offered += [ModelEntry(id=name, owned_by="upstream") for name in chat.models]
         health["chat"] = {"mechanism": chat.privacy.mechanism, "epsilon": chat.privacy.epsilon,
-                          "upstream": chat.upstream.base_url, "guardrail": chat.guardrail}
+                          "upstream": chat.upstream.base_url, "guardrail": chat.options.guardrail}
     if detector is not None:
         routers.append(detect_router(detector, auth=auth))
+    guardrail = chat is not None and chat.options.guardrail
     return create_service_app(title="privlm gateway (OpenAI-compatible, private)",
                               routers=[*routers, catalog_router(offered)], auth=auth,
-                              refusal_answers=REFUSAL_ANSWERS if chat is not None and chat.guardrail else None,
-                              lanes=guardrail_lanes(chat.guardrail_max_in_flight)
-                              if chat is not None and chat.guardrail else None,
+                              refusal_answers=REFUSAL_ANSWERS if guardrail else None,
+                              lanes=guardrail_lanes(chat.options.guardrail_max_in_flight)
+                              if chat is not None and guardrail else None,
                               max_request_bytes=max_request_bytes,
                               lifespan=closing_upstream(chat.upstream) if chat is not None else None,
                               health=lambda: health, **service)
 
 
+def _chat_routers(chat: ChatSetup, auth: BearerKeys) -> list[APIRouter]:
+    """The chat route, and the guardrail's if asked for: one queue for the device model, whichever perturbs."""
+    batcher = chat.privacy.batched()
+    routers = [ChatCompletionsRoutes(chat.privacy, chat.upstream, auth=auth, options=chat.options, audit=chat.audit,
+                                     extractor=chat.extractor, memory=chat.memory, batcher=batcher).router()]
+    if chat.options.guardrail:
+        routers.append(GuardrailRoutes(chat.privacy, options=chat.options, audit=chat.audit, memory=chat.memory,
+                                       batcher=batcher).router())
+    return routers
+
+
 def mechanism_privacy(mechanism: str, device_model: LanguageModel, *, epsilon: float,
                       logit_bound: float | LogitBound | None, budget: float | None = None,
                       ledger_path: str | Path | None = None, ledger_secret: str | Path | None = None,
-                      max_prompt_tokens: int = 8192) -> PromptPrivacy:
+                      max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> PromptPrivacy:
     """The privacy step of any token-level mechanism by name (:meth:`PromptPrivacy.of`), on ``device_model``.
 
     With ``budget``: a ledger at ``ledger_path`` (a SQLite file or a ``postgresql://`` URL, whose secret file is

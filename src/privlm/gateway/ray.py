@@ -1,6 +1,6 @@
 """The gateway as a Ray Serve deployment: the same app, replicated, every replica charging one shared ledger.
 
-Each replica builds its own gateway from the same :class:`~privlm.gateway.settings.GatewaySettings` (plain
+Each replica builds its own gateway from the same :class:`~privlm.settings.gateway.GatewaySettings` (plain
 values, pickled by Ray): its own device model (loaded once, when the replica starts), upstream client and
 ledger connection. The budget holds across replicas because the check-and-spend is one transaction in the
 ledger they share: a SQLite file serialises the writers of one machine; a multi-node cluster needs a
@@ -8,7 +8,7 @@ database server every node reaches (``--chat-ledger postgresql://...``). Three w
 
     privlm gateway --ray --replicas 2 --chat-upstream ... --epsilon 6 --chat-budget 100
     serve run deploy/gateway-ray.yaml                       # Ray's own CLI: app_builder below
-    serve.run(gateway_application(settings.for_replicas(), replicas=2))
+    serve.run(gateway_application(for_replicas(settings)))
 
 Every answer carries ``x-privlm-replica``: Ray's id of the replica that served it (which process charged the
 ledger, for operators; no key, no text, no address).
@@ -29,9 +29,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from privlm._validation import check_positive_finite, check_positive_int
-from privlm.gateway.settings import GatewaySettings, build, build_setups
+from privlm.gateway.setup import build, build_setups, for_replicas
 from privlm.service.ray import keep_replica_ports_on_loopback, replica_resources, run_blocking
+from privlm.settings.gateway import GatewaySettings
+from privlm.settings.options import from_mapping, read_config
 
 __all__ = ["REPLICA_HEADER", "GatewayDeployment", "GatewayServer", "app_builder", "gateway_application",
            "run_blocking"]
@@ -85,24 +86,24 @@ GatewayDeployment = serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, 
     serve.ingress()(GatewayServer))
 
 
-def gateway_application(settings: GatewaySettings, *, replicas: int = 1, replica_cpus: float = 1.0,
-                        device: str = "auto") -> serve.Application:
-    """A Ray Serve application of ``replicas`` gateway replicas, ready for ``serve.run``. ``settings`` should be
-    :meth:`~GatewaySettings.for_replicas`' (resolved once, here, for all); they are made so if not. ``device`` is
-    resolved here (:func:`privlm.service.ray.replica_resources`): every replica gets the same one."""
-    replicas = check_positive_int("replicas", replicas)
-    resources, resolved = replica_resources(check_positive_finite("replica_cpus", replica_cpus), device)
-    shared = replace(settings if settings.replicated else settings.for_replicas(), device=str(resolved))
-    return GatewayDeployment.options(num_replicas=replicas, ray_actor_options=resources).bind(shared)
+def gateway_application(settings: GatewaySettings) -> serve.Application:
+    """A Ray Serve application of ``settings.replicas`` gateway replicas, ready for ``serve.run``. ``settings``
+    should be :func:`~privlm.gateway.setup.for_replicas`' (resolved once, here, for all); they are made so if not.
+    The device is resolved here (:func:`privlm.service.ray.replica_resources`): every replica gets the same one."""
+    resources, resolved = replica_resources(settings.replica_cpus, settings.device)
+    shared = replace(settings if settings.replicated else for_replicas(settings), device=str(resolved))
+    return GatewayDeployment.options(num_replicas=settings.replicas, ray_actor_options=resources).bind(shared)
 
 
 def app_builder(args: Mapping[str, Any]) -> serve.Application:
-    """Entry point for Ray's CLI and config files: ``serve run privlm.gateway.ray:app_builder`` with ``args``:
-    ``replicas``, ``replica_cpus`` and the fields of :class:`GatewaySettings` (``chat`` and ``embeddings``:
-    mappings of :class:`~privlm.gateway.settings.ChatSettings`' and ``EmbeddingsSettings``' fields). Keys need not
-    sit there (Ray stores the config): ``api_key_file`` and ``api_keys_env`` are read by each replica."""
+    """Entry point for Ray's CLI and config files: ``serve run privlm.gateway.ray:app_builder`` with ``args``: the
+    fields of :class:`~privlm.settings.gateway.GatewaySettings` (``chat`` and ``embeddings``: mappings of
+    :class:`~privlm.settings.chat.ChatSettings`' and ``EmbeddingsSettings``' fields), as in ``privlm gateway
+    --config``. Keys need not sit there (Ray stores the config): ``api_key_file`` and ``api_keys_env`` are read by
+    each replica. ``config``: a ``privlm gateway --config`` file (read here) whose settings the other args
+    override, so that one file serves both."""
     rest = dict(args)
-    replicas, replica_cpus = int(rest.pop("replicas", 1)), float(rest.pop("replica_cpus", 1.0))
-    settings = GatewaySettings.from_mapping(rest)
-    return gateway_application(settings.for_replicas(), replicas=replicas, replica_cpus=replica_cpus,
-                               device=settings.device)
+    values = read_config(rest.pop("config")) if "config" in rest else {}
+    for name, value in rest.items():
+        values[name] = {**(values.get(name) or {}), **value} if isinstance(value, Mapping) else value
+    return gateway_application(for_replicas(from_mapping(GatewaySettings, values)))

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite, check_positive_int
 from privlm.mechanisms.exponential import sample_from_probabilities
 from privlm.mechanisms.protocol import OutputKind, PrivacyUnit, Spend, rows_of
+from privlm.validation import check_float_tensor, check_positive_finite, check_positive_int
 
 _WIDTH_TOLERANCE = 1e-9
 

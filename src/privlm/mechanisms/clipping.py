@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite
+from privlm.validation import check_float_tensor, check_positive_finite
 
 
 def clip_to_norm(vectors: torch.Tensor, *, max_norm: float) -> torch.Tensor:

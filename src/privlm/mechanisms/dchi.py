@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
-from privlm._validation import check_choice, check_float_tensor, check_level, check_positive_int
 from privlm.mechanisms.protocol import OutputKind, PrivacyUnit, Spend
 from privlm.mechanisms.randomness import resolve_generator
+from privlm.validation import check_choice, check_float_tensor, check_level, check_positive_int
 
 NoiseSampler = Literal["gamma", "legacy"]
 SAMPLERS: tuple[NoiseSampler, ...] = ("gamma", "legacy")
@@ -96,6 +96,7 @@ class DChiLaplace:
     sum over rows i of eta_i * ||x_i - x'_i||_2 (composition over rows).
     """
 
+    unit: ClassVar[PrivacyUnit] = PrivacyUnit.ETA_TOKEN  # what spend counts: eta per row
     eta: float | torch.Tensor
     sampler: NoiseSampler = "gamma"
 
@@ -135,7 +136,7 @@ class DChiLaplace:
 
     def spend(self, x: torch.Tensor) -> Spend:
         """One release of x: eta per row (eta-token units)."""
-        return Spend(PrivacyUnit.ETA_TOKEN, float(self._eta_per_row(x.shape[:-1]).sum()))
+        return Spend(self.unit, float(self._eta_per_row(x.shape[:-1]).sum()))
 
     def expected_noise_norm(self, dim: int) -> float:
         """E||z|| = d / eta for the correct sampler and one eta."""
@@ -144,5 +145,5 @@ class DChiLaplace:
         return dim / self.eta
 
     def _eta_per_row(self, rows: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        eta = self.eta if isinstance(self.eta, torch.Tensor) else torch.tensor(self.eta)
+        eta = self.eta if isinstance(self.eta, torch.Tensor) else torch.tensor(self.eta, dtype=torch.float64)
         return torch.broadcast_to(eta.detach().to("cpu", torch.float64), tuple(rows))

@@ -17,12 +17,13 @@ never released, for any input.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite, check_positive_int
 from privlm.mechanisms.protocol import OutputKind, PrivacyUnit, Spend, rows_of
 from privlm.mechanisms.randomness import resolve_generator
+from privlm.validation import check_float_tensor, check_positive_finite, check_positive_int
 
 _NEIGHBOUR_TOLERANCE = 1e-9
 
@@ -65,6 +66,7 @@ class ExponentialMechanism:
     by at most ``sensitivity`` for every candidate; the claim is ``epsilon`` per row, added over rows.
     """
 
+    unit: ClassVar[PrivacyUnit] = PrivacyUnit.EPSILON  # what spend counts: epsilon per row
     epsilon: float
     sensitivity: float = 1.0
 
@@ -96,7 +98,7 @@ class ExponentialMechanism:
         return self.epsilon * rows_of(utility)
 
     def spend(self, utility: torch.Tensor) -> Spend:
-        return Spend(PrivacyUnit.EPSILON, self.epsilon * rows_of(utility))
+        return Spend(self.unit, self.epsilon * rows_of(utility))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_int
+from privlm.validation import check_float_tensor, check_positive_int
 
 
 def squared_distances(queries: torch.Tensor, vocabulary: torch.Tensor,

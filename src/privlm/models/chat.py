@@ -21,10 +21,10 @@ from typing import Literal
 
 import torch
 
-from privlm._validation import check_in_interval
 from privlm.mechanisms.randomness import resolve_generator
 from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
+from privlm.validation import check_in_interval
 
 ChatRole = Literal["system", "user", "assistant"]
 CHAT_ROLES: tuple[ChatRole, ...] = ("system", "user", "assistant")

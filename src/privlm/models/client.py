@@ -17,10 +17,10 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from privlm._validation import check_choice
 from privlm.models.batching import pad_ids
 from privlm.models.device import resolve_device
 from privlm.models.fingerprints import model_fingerprint
+from privlm.validation import check_choice
 
 TruncationPolicy = Literal["warn", "error", "count"]  # "count": the caller reports truncation itself
 TRUNCATION_POLICIES: tuple[TruncationPolicy, ...] = ("warn", "error", "count")

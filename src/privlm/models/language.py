@@ -23,12 +23,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from privlm._validation import check_choice
 from privlm.models.device import resolve_device
 from privlm.models.fingerprints import weights_sha256
 from privlm.models.loading import materialise_gguf, model_family
 from privlm.models.sources import resolve_source
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_choice
 
 LanguageModelKind = Literal["causal", "masked"]
 LANGUAGE_MODEL_KINDS: tuple[LanguageModelKind, ...] = ("causal", "masked")

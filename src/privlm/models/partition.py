@@ -33,10 +33,10 @@ from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_bidirectional_mask
 
-from privlm._validation import check_float_tensor, validated
 from privlm.models.fingerprints import weights_sha256
 from privlm.models.loading import model_family
 from privlm.models.pooling import POOLERS, Pooling, choose_pooling
+from privlm.validation import check_float_tensor, validated
 
 BOTTOM_WEIGHTS = "bottom.safetensors"
 BOTTOM_CONFIG = "bottom.json"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from privlm._validation import check_choice
+from privlm.validation import check_choice
 
 if TYPE_CHECKING:
     from privlm.models.loading import SentenceTransformerConfig

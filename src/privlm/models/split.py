@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from privlm._validation import check_float_tensor
 from privlm.models.batching import map_in_length_order
 from privlm.models.client import TokenEmbedder
 from privlm.models.device import resolve_device
 from privlm.models.fingerprints import weights_sha256
 from privlm.models.loading import load_pretrained, model_family
 from privlm.models.pooling import POOLERS, Pooling, choose_pooling
+from privlm.validation import check_float_tensor
 
 log = logging.getLogger(__name__)
 _DEFAULT_MAX_LENGTH = 512

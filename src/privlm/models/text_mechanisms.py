@@ -22,12 +22,12 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
-from privlm._validation import check_positive_finite
 from privlm.accounting import Ledger
 from privlm.mechanisms import PrivacyUnit
 from privlm.models.language import LanguageModel
 from privlm.models.perturbation import TextPerturber
 from privlm.models.vocabulary import CandidateVocabulary
+from privlm.validation import check_positive_finite
 
 Family = Literal["cape", "baseline"]
 _FAMILY_ORDER = get_args(Family)  # listings show Cape's variants first, whichever package was imported first
@@ -61,19 +61,24 @@ class MechanismContext:
 Factory = Callable[[MechanismContext, float, torch.Generator | None, Ledger | None, str], TextPerturber]
 """``(context, level, generator, ledger, principal)`` -> a fresh perturber that charges ``ledger`` first."""
 
+ContextCheck = Callable[[MechanismContext, float], None]
+"""``(context, level)``: raises (``ValueError``, ``TypeError``) where the factory would refuse them, without building
+a perturber: a level out of range, a device model or a logit bound the mechanism cannot use."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class TextMechanism:
-    """A named mechanism: ``build(context, epsilon=, generator=)`` gives a fresh perturber at that level.
+    """A named mechanism, as it registers: ``build(context, epsilon=, generator=)`` gives a fresh perturber.
 
     ``name`` is the registry name ("santext+"); ``key`` the same with "+" spelled "-plus", usable as a
-    benchmark method key. ``unit`` is the ledger unit its releases are charged in (the perturber's own);
-    ``options`` the keyword arguments its factory passes on; ``needs_logit_bound``: it reads B; ``causal_only``: it
-    needs a causal device model (it refuses a masked one); ``rewrites``: it rewrites the whole prompt, so no
-    released token stands for an original one (DP-Prompt: token-level attacks do not apply); ``any_pair``: its
-    epsilon bounds the loss whichever sensitive tokens differ (not only tokens of one output group, as CUSTEXT's,
-    nor only rare ones, as SANTEXT+'s, nor scaled by a distance, as the metric mechanisms'), so its epsilons
-    mean what another such mechanism's mean and spends can be compared (docs/guarantees.md).
+    benchmark method key. ``unit`` is the ledger unit its releases are charged in (the perturber's own, read from its
+    mechanism); ``options`` the keyword arguments its factory passes on; ``check``: what the factory would refuse
+    in a context and a level, checked without building (:meth:`check_context`); ``needs_logit_bound``: it reads B;
+    ``causal_only``: it needs a causal device model (it refuses a masked one); ``rewrites``: it rewrites the whole
+    prompt, so no released token stands for an original one (DP-Prompt: token-level attacks do not apply);
+    ``any_pair``: its epsilon bounds the loss whichever sensitive tokens differ (not only tokens of one output group,
+    as CUSTEXT's, nor only rare ones, as SANTEXT+'s, nor scaled by a distance, as the metric mechanisms'), so its
+    epsilons mean what another such mechanism's mean and spends can be compared (docs/guarantees.md).
     """
 
     name: str
@@ -83,14 +88,29 @@ class TextMechanism:
     description: str
     factory: Factory = field(compare=False)
     options: Mapping[str, object] = field(default_factory=dict, compare=False)
+    check: ContextCheck | None = field(default=None, compare=False)
     needs_logit_bound: bool = False
     causal_only: bool = False
     rewrites: bool = False
     any_pair: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit", PrivacyUnit(self.unit))
+        object.__setattr__(self, "options", dict(self.options))
+
     @property
     def key(self) -> str:
         return self.name.replace("+", "-plus")
+
+    def check_context(self, context: MechanismContext, *, epsilon: float) -> None:
+        """Refuse now what :meth:`build` would refuse (the level, then the mechanism's own ``check``), building
+        nothing: a service checks its configuration at start-up this way, before any request."""
+        check_epsilon(epsilon)
+        if self.check is not None:
+            self.check(context, epsilon)
+        model = context.device_model
+        if self.causal_only and model.kind != "causal":
+            raise ValueError(f"{self.name} needs a causal device model; {model.name} is {model.kind}")
 
     def build(self, context: MechanismContext, *, epsilon: float, generator: torch.Generator | None = None,
               ledger: Ledger | None = None, principal: str = "local") -> TextPerturber:
@@ -101,17 +121,12 @@ class TextMechanism:
 _REGISTRY: dict[str, TextMechanism] = {}
 
 
-def register_text_mechanism(name: str, factory: Factory, *, label: str, family: Family, unit: PrivacyUnit,
-                            description: str, options: Mapping[str, object] | None = None,
-                            needs_logit_bound: bool = False, causal_only: bool = False,
-                            rewrites: bool = False, any_pair: bool = False) -> TextMechanism:
-    """Make ``name`` buildable by name. A name (or its key) already taken is refused."""
-    mechanism = TextMechanism(name, label, family, PrivacyUnit(unit), description, factory, dict(options or {}),
-                              needs_logit_bound, causal_only, rewrites, any_pair)
+def register_text_mechanism(mechanism: TextMechanism) -> TextMechanism:
+    """Make ``mechanism`` buildable by its name. A name (or its key) already taken is refused."""
     taken = {n for m in _REGISTRY.values() for n in (m.name, m.key)}
-    if name in taken or mechanism.key in taken:
-        raise ValueError(f"a text mechanism named {name!r} is already registered")
-    _REGISTRY[name] = mechanism
+    if mechanism.name in taken or mechanism.key in taken:
+        raise ValueError(f"a text mechanism named {mechanism.name!r} is already registered")
+    _REGISTRY[mechanism.name] = mechanism
     return mechanism
 
 

@@ -16,7 +16,7 @@ from functools import cached_property
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from privlm._validation import check_float_tensor
+from privlm.validation import check_float_tensor
 
 
 def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

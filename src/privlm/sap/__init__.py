@@ -7,7 +7,7 @@ training loop: :func:`connect` and :func:`fine_tune` run it in one process; :cla
 against a remote vendor (``privlm sap vendor``). See docs/sap.md.
 """
 
-from privlm.sap.config import HEAD_PLACEMENTS, HeadPlacement, LoraSettings, SapConfig
+from privlm.sap.config import HEAD_PLACEMENTS, FitOptions, HeadPlacement, LoraSettings, SapConfig
 from privlm.sap.cti import CtiReport, contributing_tokens, utility_importance
 from privlm.sap.customer import Customer, PrivacyAccount, TokenizedTexts
 from privlm.sap.messages import (
@@ -23,9 +23,9 @@ from privlm.sap.messages import (
     from_bytes,
     to_bytes,
 )
-from privlm.sap.model import SplitParts, add_lora, split_pretrained
+from privlm.sap.model import SplitParts, VendorModel, add_lora, split_pretrained
 from privlm.sap.privatizer import EmbeddingPrivatizer, HiddenStatePrivatizer, Release
-from privlm.sap.service.client import Client
+from privlm.sap.service.client import Client, ClientOptions
 from privlm.sap.training import EpochRecord, FitResult, Parties, connect, fine_tune, fit
 from privlm.sap.transport import InProcessTransport, Traffic, Transport, VendorBehindError
 from privlm.sap.vendor import Vendor
@@ -33,11 +33,13 @@ from privlm.sap.vendor import Vendor
 __all__ = [
     "HEAD_PLACEMENTS",
     "Client",
+    "ClientOptions",
     "CtiReport",
     "Customer",
     "CutGradient",
     "EmbeddingPrivatizer",
     "EpochRecord",
+    "FitOptions",
     "FitResult",
     "Forward",
     "HeadPlacement",
@@ -61,6 +63,7 @@ __all__ = [
     "Uploaded",
     "Vendor",
     "VendorBehindError",
+    "VendorModel",
     "add_lora",
     "connect",
     "contributing_tokens",

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+import numpy as np
 from peft import LoraConfig
 
-from privlm._validation import check_choice, check_in_interval, check_positive_finite, check_positive_int
-
-HeadPlacement = Literal["vendor", "customer"]
-HEAD_PLACEMENTS: tuple[HeadPlacement, ...] = ("vendor", "customer")
+from privlm.settings.sap import HEAD_PLACEMENTS, HeadPlacement
+from privlm.validation import check_choice, check_in_interval, check_positive_finite, check_positive_int
 
 
 def _check_optional_eta(name: str, value: object) -> float | None:
@@ -119,3 +118,19 @@ class SapConfig:
         _check_non_negative_int("seed", self.seed)
         if self.noise_seed is not None:
             _check_non_negative_int("noise_seed", self.noise_seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    """What a fine-tuning run does besides training and choosing its epoch on validation. ``test_texts`` and
+    ``test_labels``: scored at every epoch, never used to choose. ``patience``: stop once validation accuracy has
+    not improved for that many epochs (None: train every epoch). ``progress``: show a progress bar."""
+
+    test_texts: Sequence[str] | None = None
+    test_labels: Sequence[int] | np.ndarray | None = None
+    patience: int | None = None
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.patience is not None:
+            check_positive_int("patience", self.patience)

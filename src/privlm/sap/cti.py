@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from privlm._validation import check_in_interval, check_positive_finite, check_positive_int
+from privlm.validation import check_in_interval, check_positive_finite, check_positive_int
 
 
 @dataclass(frozen=True)

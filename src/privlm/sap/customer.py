@@ -2,7 +2,8 @@
 
 A frozen bottom privatizes every training example once and uploads it (:meth:`Customer.upload`); a trainable
 bottom privatizes each batch as it is used, so every epoch is a new release of every example. Every release is
-charged to the privacy account (and the ledger, when there is one) before it leaves.
+charged to the ledger, when there is one, before it leaves, and kept in the customer's log of releases
+(:attr:`Customer.released`), from which its account is read (:attr:`Customer.account`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from privlm.accounting import Ledger, charge
-from privlm.mechanisms import PrivacyUnit, make_generator
+from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models import check_texts
 from privlm.models.batching import pad_ids
 from privlm.models.partition import BottomModel, make_head
@@ -40,26 +41,45 @@ class TokenizedTexts:
         return len(self.ids)
 
 
-@dataclass
+@dataclass(frozen=True)
+class ReleaseRecord:
+    """One release as the customer's log keeps it (no values): the spend it was charged, and its positions."""
+
+    spend: Spend
+    examples: int
+    noised: int
+    exact: int
+    exempt: int
+
+    @classmethod
+    def of(cls, release: Release) -> ReleaseRecord:
+        return cls(spend=release.spend, examples=int(release.released.any(dim=1).sum()),
+                   noised=int(release.noised.sum()), exact=int(release.exact.sum()), exempt=int(release.exempt.sum()))
+
+
+@dataclass(frozen=True)
 class PrivacyAccount:
-    """Everything the customer released: eta-tokens spent, positions by treatment, releases per example."""
+    """Everything the customer released, read from its log (:attr:`Customer.released`): the spends it was charged
+    (eta-tokens, or eta-hidden-states for a deeper bottom), positions by treatment, releases per example."""
 
     eta_tokens: float = 0.0
-    unit: str = PrivacyUnit.ETA_TOKEN.value  # eta-hidden-state for a deeper bottom: never added to eta-tokens
+    unit: str = PrivacyUnit.ETA_TOKEN.value
     releases: int = 0
     noised_positions: int = 0
     exact_positions: int = 0
     exempt_positions: int = 0
 
-    def record(self, release: Release) -> None:
-        if self.releases and release.spend.unit.value != self.unit:
-            raise ValueError(f"this account counts {self.unit}, not {release.spend.unit.value}")
-        self.unit = release.spend.unit.value
-        self.eta_tokens += release.spend.amount
-        self.releases += int(release.released.any(dim=1).sum())
-        self.noised_positions += int(release.noised.sum())
-        self.exact_positions += int(release.exact.sum())
-        self.exempt_positions += int(release.exempt.sum())
+    @classmethod
+    def of(cls, released: Sequence[ReleaseRecord]) -> PrivacyAccount:
+        units = {record.spend.unit for record in released}
+        if len(units) > 1:  # one customer's bottom has one depth: never two metrics in one total
+            raise ValueError(f"an account counts one unit, not {sorted(units)}")
+        return cls(eta_tokens=sum(record.spend.amount for record in released),
+                   unit=next(iter(units), PrivacyUnit.ETA_TOKEN).value,
+                   releases=sum(record.examples for record in released),
+                   noised_positions=sum(record.noised for record in released),
+                   exact_positions=sum(record.exact for record in released),
+                   exempt_positions=sum(record.exempt for record in released))
 
     def to_dict(self) -> dict[str, float | str]:
         return {"eta_tokens": self.eta_tokens, "unit": self.unit, "example_releases": self.releases,
@@ -145,12 +165,17 @@ class Customer:
         self.generator = make_generator(config.noise_seed, device=self.device)
         self.cti: CtiReport | None = None
         self.privatizer: Privatizer = self._make_privatizer(())
-        self.account = PrivacyAccount()
+        self.released: list[ReleaseRecord] = []  # every release made and charged, in order: the account's source
         self.step = 0
         # Training-step releases by step, kept only when asked (a remote client that may have to replay steps):
         # a replayed step resends its release unchanged, uncharged, and draws no new noise.
         self.keep_releases = False
         self.sent_releases: dict[int, Release] = {}
+
+    @property
+    def account(self) -> PrivacyAccount:
+        """What this customer released and was charged so far, from its log of releases."""
+        return PrivacyAccount.of(self.released)
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def _make_privatizer(self, exempt: Sequence[int]) -> Privatizer:
@@ -193,7 +218,7 @@ class Customer:
             release = sent
         else:
             release = self.privatizer.privatize(cut, input_ids, mask, generator=self.generator)
-            self.account.record(release)
+            self.released.append(ReleaseRecord.of(release))
         batch = messages.PrivatizedBatch(example_ids=torch.as_tensor(list(example_ids), dtype=torch.long),
                                          values=release.values.detach().float().cpu(), attention_mask=mask.cpu())
         attached = self.privatizer.straight_through(cut, release) if keep_graph else None

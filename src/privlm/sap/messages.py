@@ -21,16 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from privlm.settings.sap import MAX_ABS_VALUE
 from privlm.wire import WireError, read_safetensors_metadata
 
 OutputKind = Literal["logits", "representation"]
-# The largest magnitude of one entry of a released representation or of a returned gradient that a vendor accepts
-# (by default; ``SessionLimits.max_abs_value``). Honest values are far below it: on MiniLM embedding rows hold
-# entries up to 1.05, hidden states up to about 11; d_chi noise adds about sqrt(d) / eta per entry (4 at eta 5),
-# so a noised hidden state (blocks >= 1) stays below the bound for eta >= about 9 sqrt(d) / MAX_ABS_VALUE (0.02 on
-# MiniLM; docs/sap.md, "Limits"); dL/dlogits lies in [-1, 1]. Far larger finite values (1e38) overflow the top,
-# or its optimiser's moments.
-MAX_ABS_VALUE = 1e4
 
 
 class ProtocolError(WireError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from peft import PeftModel, get_peft_model
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from privlm.models.device import forked_rng, resolve_device
 from privlm.models.loading import load_pretrained
 from privlm.models.partition import BottomModel, TopModel, split_model
-from privlm.models.pooling import choose_pooling
+from privlm.models.pooling import Pooling, choose_pooling
 from privlm.sap.config import LoraSettings, SapConfig
 
 
@@ -39,6 +39,31 @@ def split_pretrained(name_or_path: str | Path = "minilm", *, config: SapConfig, 
                               n_classes=n_classes if config.head == "vendor" else None, head_seed=config.seed,
                               name=str(name_or_path))
     return SplitParts(bottom=bottom, top=top, tokenizer=loaded.tokenizer)
+
+
+@dataclass
+class VendorModel:
+    """What the vendor's server serves: its model, loaded once, and the bottoms it exports (split position -> the
+    bottom with that many blocks). ``name`` is the name it was loaded by (shown without its folder)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    pooling: Pooling
+    bottoms: dict[int, BottomModel]
+    name: str
+
+    @classmethod
+    def load(cls, name_or_path: str | Path = "minilm", *, splits: Sequence[int] = (0,),
+             device: str | torch.device = "auto") -> VendorModel:
+        """Load a packaged or local model offline and cut a bottom at each of ``splits`` (at least one)."""
+        if not splits:
+            raise ValueError("splits must name at least one split position")
+        loaded = load_pretrained(name_or_path, device=resolve_device(device), causal_lm_head=False)
+        pooling = choose_pooling(loaded.family, folder=loaded.sentence_transformer)
+        bottoms = {blocks: split_model(loaded.model, blocks, pooling=pooling, name=str(name_or_path))[0]
+                   for blocks in splits}
+        return cls(model=loaded.model, tokenizer=loaded.tokenizer, pooling=pooling, bottoms=bottoms,
+                   name=str(name_or_path))
 
 
 def add_lora(top: TopModel, settings: LoraSettings, *, seed: int = 0) -> PeftModel:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from privlm._validation import check_float_tensor, check_positive_finite
 from privlm.mechanisms import DChiLaplace, PrivacyUnit, Spend, make_generator, project_to_vocabulary
 from privlm.mechanisms.clipping import clip_to_norm
+from privlm.validation import check_float_tensor, check_positive_finite
 
 
 @dataclass(frozen=True)
@@ -69,33 +69,42 @@ class EmbeddingPrivatizer:
         exempt = real & ~special & torch.isin(input_ids, self.exempt_ids.to(input_ids.device))
         return real, real & ~special & ~exempt, exempt
 
-    def spend_of(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Spend:
-        """eta per noised position, plus exempt_eta per exempt position when those are noised (eta-token units)."""
-        _, at_eta, exempt = self._positions(input_ids, attention_mask)
+    def _noised(self, at_eta: torch.Tensor, exempt: torch.Tensor) -> torch.Tensor:
+        """Positions that go through the mechanism: those at eta, and the exempt ones when they have a level."""
         if self.eta is None:
-            return Spend(PrivacyUnit.ETA_TOKEN, 0.0)
-        return Spend(PrivacyUnit.ETA_TOKEN, self.eta * int(at_eta.sum()) + (self.exempt_eta or 0.0) * int(exempt.sum()))
+            return torch.zeros_like(at_eta)
+        return at_eta | exempt if self.exempt_eta is not None else at_eta
+
+    def _mechanism(self, at_eta: torch.Tensor, exempt: torch.Tensor) -> tuple[torch.Tensor, DChiLaplace | None]:
+        """The noised positions, and the d_chi mechanism of their rows, in order (one level per row; None when
+        nothing is noised): it draws the release and prices it."""
+        noised = self._noised(at_eta, exempt)
+        if self.eta is None or not bool(noised.any()):
+            return noised, None
+        levels = torch.full(at_eta.shape, self.eta, dtype=torch.float64, device=at_eta.device)
+        if self.exempt_eta is not None:
+            levels[exempt] = self.exempt_eta
+        return noised, DChiLaplace(eta=levels[noised])
+
+    def spend_of(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Spend:
+        """The mechanism's price of the rows it noises: eta per position at eta, plus exempt_eta per exempt position
+        when those are noised (eta-token units)."""
+        _, at_eta, exempt = self._positions(input_ids, attention_mask)
+        return _price(*self._mechanism(at_eta, exempt))
 
     def privatize(self, cut: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                   generator: torch.Generator | None = None) -> Release:
         """Release the word-embedding rows ``cut`` (B, L, d) of ``input_ids``; padding becomes zero rows."""
         check_float_tensor("cut", cut, ndim=3)
         real, at_eta, exempt = self._positions(input_ids, attention_mask)
+        noised, mechanism = self._mechanism(at_eta, exempt)
         values = cut.detach().clone()
-        noised = torch.zeros_like(real)
-        if self.eta is not None:
-            noised = at_eta | (exempt if self.exempt_eta is not None else noised)
-        if self.eta is not None and bool(noised.any()):  # none when only special, exempt or padding positions
-            levels = torch.full(real.shape, self.eta, dtype=cut.dtype, device=cut.device)
-            if self.exempt_eta is not None:
-                levels[exempt] = self.exempt_eta
-            noisy = DChiLaplace(eta=levels[noised]).sample(values[noised],
-                                                           generator=generator or make_generator(device=cut.device))
+        if mechanism is not None:  # none when only special, exempt or padding positions
+            noisy = mechanism.sample(values[noised], generator=generator or make_generator(device=cut.device))
             table = self.vocabulary.to(device=cut.device, dtype=cut.dtype)
             values[noised] = table[project_to_vocabulary(noisy, table)]
         values[~real] = 0
-        return Release(values=values, released=real, noised=noised, exempt=exempt,
-                       spend=self.spend_of(input_ids, attention_mask))
+        return Release(values=values, released=real, noised=noised, exempt=exempt, spend=_price(noised, mechanism))
 
     def straight_through(self, cut: torch.Tensor, release: Release) -> torch.Tensor:
         """A tensor equal to the release whose gradient flows to ``cut`` unchanged (for a trainable bottom)."""
@@ -105,19 +114,25 @@ class EmbeddingPrivatizer:
 class HiddenStatePrivatizer:
     """d_chi noise on the hidden state at every real position of a deeper cut (k >= 1), optionally clipped first."""
 
+    unit = PrivacyUnit.ETA_HIDDEN_STATE  # d_chi's eta per row, in another metric than word embeddings': kept apart
+
     def __init__(self, *, eta: float | None, clip_norm: float | None = None) -> None:
-        self.eta = None if eta is None else check_positive_finite("eta", eta)
+        self.mechanism = None if eta is None else DChiLaplace(eta=check_positive_finite("eta", eta))
         self.clip_norm = None if clip_norm is None else check_positive_finite("clip_norm", clip_norm)
 
+    @property
+    def eta(self) -> float | None:
+        return None if self.mechanism is None else float(self.mechanism.eta)
+
     def spend_of(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Spend:
-        amount = 0.0 if self.eta is None else self.eta * int(attention_mask.bool().sum())
-        return Spend(PrivacyUnit.ETA_HIDDEN_STATE, amount)
+        """The mechanism's price of every real position's row, in eta-hidden-state units."""
+        rows = torch.empty(int(attention_mask.bool().sum()), 0)
+        return Spend(self.unit, 0.0 if self.mechanism is None else self.mechanism.spend(rows).amount)
 
     def _noisy(self, cut: torch.Tensor, real: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         values = clip_to_norm(cut, max_norm=self.clip_norm) if self.clip_norm is not None else cut
-        if self.eta is not None:
-            generator = generator or make_generator(device=cut.device)
-            values = DChiLaplace(eta=self.eta).sample(values, generator=generator)
+        if self.mechanism is not None:
+            values = self.mechanism.sample(values, generator=generator or make_generator(device=cut.device))
         return values * real.unsqueeze(-1).to(values.dtype)
 
     def privatize(self, cut: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
@@ -136,3 +151,10 @@ class HiddenStatePrivatizer:
 
 
 Privatizer = EmbeddingPrivatizer | HiddenStatePrivatizer
+
+
+def _price(noised: torch.Tensor, mechanism: DChiLaplace | None) -> Spend:
+    """What releasing the ``noised`` rows through ``mechanism`` costs (nothing noised: nothing)."""
+    if mechanism is None:
+        return Spend(DChiLaplace.unit, 0.0)
+    return mechanism.spend(torch.empty(int(noised.sum()), 0))  # one row per noised position: only they are priced

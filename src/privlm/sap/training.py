@@ -25,9 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from privlm._validation import check_positive_int
 from privlm.accounting import Ledger
-from privlm.sap.config import SapConfig
+from privlm.sap.config import FitOptions, SapConfig
 from privlm.sap.cti import CtiReport
 from privlm.sap.customer import (
     Customer,
@@ -264,28 +263,27 @@ class _Run:
 
 def fit(customer: Customer, train_texts: Sequence[str], train_labels: Sequence[int] | np.ndarray,
         validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray, *,
-        test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | np.ndarray | None = None,
-        patience: int | None = None, progress: bool = False) -> FitResult:
-    """Train for ``config.epochs`` epochs (fewer when validation accuracy has not improved for ``patience``
-    epochs), over the customer's transport; score validation (and test) after each; both parties are left in the
-    epoch best on validation (the vendor serves its adapter)."""
+        options: FitOptions | None = None) -> FitResult:
+    """Train for ``config.epochs`` epochs (fewer when validation accuracy has not improved for ``options.patience``
+    epochs), over the customer's transport; score validation (and ``options``' test set) after each; both parties
+    are left in the epoch best on validation (the vendor serves its adapter)."""
     from rich.progress import Progress
 
-    if patience is not None:
-        check_positive_int("patience", patience)
+    options = options or FitOptions()
     start, config = time.perf_counter(), customer.config
     train = customer.tokenize(train_texts)
     labels = check_labels(train_labels, n=len(train), n_classes=customer.n_classes)
     check_every_class_present(labels, customer.n_classes)
     cti = customer.identify_contributing_tokens(train, labels)
     validation = HeldOut(customer, validation_texts, validation_labels, customer.n_classes)
-    test = None if test_texts is None else HeldOut(customer, test_texts, test_labels, customer.n_classes)
+    test = None if options.test_texts is None else HeldOut(customer, options.test_texts, options.test_labels,
+                                                            customer.n_classes)
     if not config.trainable_bottom:
         customer.upload(train)
     run = _Run(customer, train, labels, validation, test)
-    with Progress(disable=not progress, transient=True) as bar:
+    with Progress(disable=not options.progress, transient=True) as bar:
         task = bar.add_task("SAP fine-tuning", total=run.schedule.total_steps)
-        while run.done < run.schedule.total_steps and not run.advance(patience):
+        while run.done < run.schedule.total_steps and not run.advance(options.patience):
             bar.update(task, completed=run.done)
     best = run.choose()
     truncated = {"train": train.truncated, "validation": validation.tokens.truncated}
@@ -300,8 +298,6 @@ def fit(customer: Customer, train_texts: Sequence[str], train_labels: Sequence[i
 
 def fine_tune(parties: Parties, train_texts: Sequence[str], train_labels: Sequence[int] | np.ndarray,
               validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray, *,
-              test_texts: Sequence[str] | None = None, test_labels: Sequence[int] | np.ndarray | None = None,
-              patience: int | None = None, progress: bool = False) -> FitResult:
+              options: FitOptions | None = None) -> FitResult:
     """:func:`fit` for parties :func:`connect` made in this process."""
-    return fit(parties.customer, train_texts, train_labels, validation_texts, validation_labels,
-               test_texts=test_texts, test_labels=test_labels, patience=patience, progress=progress)
+    return fit(parties.customer, train_texts, train_labels, validation_texts, validation_labels, options=options)

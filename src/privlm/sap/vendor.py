@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from peft import get_peft_model_state_dict
 
-from privlm._validation import check_positive_finite
 from privlm.models.partition import TopModel
 from privlm.sap.config import LoraSettings
 from privlm.sap.messages import (
@@ -39,6 +38,7 @@ from privlm.sap.messages import (
     check_tensor,
 )
 from privlm.sap.model import add_lora, dropout_seed, lora_dropout
+from privlm.validation import check_positive_finite
 
 
 @dataclass(frozen=True)

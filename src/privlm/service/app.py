@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, Unpack
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,13 +29,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError
 from privlm.service.auth import BearerKeys
 from privlm.service.errors import ERROR_RESPONSES, ServiceError, error_response, ledger_unavailable
 from privlm.service.hosts import ANY_HOST, HostCheckMiddleware
 from privlm.service.limits import BODY_TIMEOUT, MAX_IN_FLIGHT, BodyLimitMiddleware, Lane, RefusalAnswer
 from privlm.service.metrics import RequestMetricsMiddleware, ServiceMetrics
+from privlm.settings.service import ServiceOptions
+from privlm.validation import check_positive_finite, check_positive_int
 from privlm.wire import WireError
 
 logger = logging.getLogger("privlm.service")
@@ -43,32 +44,30 @@ logger = logging.getLogger("privlm.service")
 Lifespan = Callable[[FastAPI], Any]
 
 
-class ServiceOptions(TypedDict, total=False):
-    """The options of :func:`create_service_app` that a system's factory passes on unchanged."""
+class AppOptions(ServiceOptions, total=False):
+    """What :func:`create_service_app` takes besides the system's parts: the :class:`ServiceOptions` a system's
+    factory passes on, and what the system sets for its own paths: ``refusal_answers`` (a path's own answer to the
+    limits' refusals) and ``lanes`` (a path's own in-flight places), see :mod:`privlm.service.limits`."""
 
-    docs: bool
-    allowed_hosts: Sequence[str] | None
-    max_in_flight: int
-    max_in_flight_per_caller: int | None
-    body_timeout: float
+    refusal_answers: Mapping[str, RefusalAnswer] | None
+    lanes: Mapping[str, Lane] | None
 
 
 def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: BearerKeys, max_request_bytes: int,
                        health: Callable[[], Mapping[str, object]] = dict, lifespan: Lifespan | None = None,
-                       version: str = "1", docs: bool = False, allowed_hosts: Sequence[str] | None = None,
-                       max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_caller: int | None = None,
-                       body_timeout: float = BODY_TIMEOUT,
-                       refusal_answers: Mapping[str, RefusalAnswer] | None = None,
-                       lanes: Mapping[str, Lane] | None = None) -> FastAPI:
+                       version: str = "1", **options: Unpack[AppOptions]) -> FastAPI:
     """A service with the system's ``routers`` behind ``auth``; ``health`` adds facts to ``/health``.
 
-    ``docs``: serve ``/docs`` and ``/redoc``. ``allowed_hosts``: ``Host`` names answered besides loopback
-    ones (``"*"``: any); by default none on an open service, any on one with keys. ``max_in_flight``,
-    ``max_in_flight_per_caller``, ``body_timeout``, ``refusal_answers`` (a path's own answer to those
-    limits' refusals) and ``lanes`` (a path's own in-flight places): see :mod:`privlm.service.limits`.
+    ``options`` (:class:`AppOptions`): ``docs`` serves ``/docs`` and ``/redoc``. ``allowed_hosts``: ``Host`` names
+    answered besides loopback ones (``"*"``: any); by default none on an open service, any on one with keys.
+    ``max_in_flight``, ``max_in_flight_per_caller``, ``body_timeout``, ``refusal_answers`` and ``lanes``: see
+    :mod:`privlm.service.limits`.
     """
-    check_positive_int("max_in_flight", max_in_flight)
-    check_positive_finite("body_timeout", body_timeout)
+    if unknown := set(options) - AppOptions.__optional_keys__:  # as a misspelt keyword always was
+        raise TypeError(f"create_service_app() got unexpected keyword arguments {sorted(unknown)}")
+    max_in_flight = check_positive_int("max_in_flight", options.get("max_in_flight", MAX_IN_FLIGHT))
+    body_timeout = check_positive_finite("body_timeout", options.get("body_timeout", BODY_TIMEOUT))
+    docs, refusal_answers = options.get("docs", False), options.get("refusal_answers")
     app = FastAPI(title=title, version=version, lifespan=lifespan, responses=ERROR_RESPONSES,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     metrics = ServiceMetrics()
@@ -76,8 +75,9 @@ def create_service_app(*, title: str, routers: Sequence[APIRouter], auth: Bearer
     app.state.refusal_answers = dict(refusal_answers or {})  # the connection cap reads them too (serving.py)
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, auth=auth, body_timeout=body_timeout,
-                       max_in_flight=max_in_flight, max_in_flight_per_caller=max_in_flight_per_caller,
-                       refusal_answers=refusal_answers, lanes=lanes)
+                       max_in_flight=max_in_flight, max_in_flight_per_caller=options.get("max_in_flight_per_caller"),
+                       refusal_answers=refusal_answers, lanes=options.get("lanes"))
+    allowed_hosts = options.get("allowed_hosts")
     hosts = list(allowed_hosts) if allowed_hosts is not None else [] if auth.open else [ANY_HOST]
     app.add_middleware(HostCheckMiddleware, allowed_hosts=hosts)  # before any body is read or key checked
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it also counts refusals

@@ -19,6 +19,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from privlm.accounting import Ledger, PrincipalHasher
 from privlm.service.errors import ServiceError
+from privlm.settings.service import API_KEYS_ENV, CHAT_UPSTREAM_API_KEY_ENV, GATEWAY_API_KEYS_ENV, SERVER_API_KEY_ENV
 
 ANONYMOUS = "anonymous"
 _bearer = HTTPBearer(auto_error=False, description="privlm API key")
@@ -139,10 +140,6 @@ def bearer_key(authorization: str | None) -> str | None:
 # Where the commands read keys from the environment: the keys `privlm serve` accepts, those `privlm gateway`
 # accepts (another variable, so that a shell that runs both does not hand the server's keys to the gateway),
 # and the key the gateway sends to its server.
-API_KEYS_ENV = "PRIVLM_API_KEYS"
-GATEWAY_API_KEYS_ENV = "PRIVLM_GATEWAY_API_KEYS"
-SERVER_API_KEY_ENV = "PRIVLM_SERVER_API_KEY"
-CHAT_UPSTREAM_API_KEY_ENV = "PRIVLM_CHAT_UPSTREAM_API_KEY"  # the gateway's key for its chat upstream
 KEY_ENV_VARS = (API_KEYS_ENV, GATEWAY_API_KEYS_ENV, SERVER_API_KEY_ENV, CHAT_UPSTREAM_API_KEY_ENV)
 
 

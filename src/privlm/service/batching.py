@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from privlm._validation import check_non_negative_finite, check_positive_int
+from privlm.validation import check_non_negative_finite, check_positive_int
 
 T = TypeVar("T")
 R = TypeVar("R")

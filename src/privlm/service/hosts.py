@@ -12,36 +12,12 @@ are checked like the others.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from privlm.service.errors import error_response
-
-ANY_HOST = "*"
-
-
-def host_name(value: str) -> str:
-    """The name of a ``Host`` header value, lower-case, without its port or a trailing dot."""
-    value = value.strip().lower()
-    if value.startswith("["):  # [::1]:8000
-        end = value.find("]")
-        return value[:end + 1] if end != -1 else value
-    if value.count(":") > 1:  # a bare IPv6 address (not a valid Host, but a valid bind address)
-        return f"[{value}]"
-    return value.partition(":")[0].rstrip(".")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a ``Host`` value or a bind address, with or without a port) names this machine only."""
-    name = host_name(host)
-    if name == "localhost" or name.endswith(".localhost"):  # RFC 6761: never resolved by DNS
-        return True
-    try:
-        return ipaddress.ip_address(name.strip("[]")).is_loopback
-    except ValueError:
-        return False
+from privlm.settings.service import ANY_HOST, host_name, is_loopback
 
 
 class HostCheckMiddleware:

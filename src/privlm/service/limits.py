@@ -47,12 +47,12 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from privlm._validation import check_positive_int
 from privlm.service.auth import API_KEY_HEADER, BearerKeys, bearer_key, request_key
 from privlm.service.errors import error_response
+from privlm.settings.service import MAX_IN_FLIGHT
+from privlm.validation import check_positive_int
 
 BODY_TIMEOUT = 30.0  # seconds for a whole request body
-MAX_IN_FLIGHT = 32  # requests with a body read or processed at once
 
 log = logging.getLogger("privlm.service")
 

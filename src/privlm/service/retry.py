@@ -33,7 +33,7 @@ from tenacity import (
 from tenacity import wait_exponential as exponential_wait
 from tenacity.stop import stop_base
 
-from privlm._validation import check_non_negative_finite, check_positive_finite
+from privlm.validation import check_non_negative_finite, check_positive_finite
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # The request never left: resending it cannot repeat anything.

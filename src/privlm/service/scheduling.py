@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from privlm._validation import check_positive_int
+from privlm.validation import check_positive_int
 
 
 class FairScheduler:

@@ -6,12 +6,13 @@ remote server come from :mod:`privlm.snd.service`."""
 from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, save_denoiser
 from privlm.snd.card import DenoiserCard, read_card, write_card
 from privlm.snd.denoiser import Denoiser, DenoiserConfig
-from privlm.snd.encoder import BaseEncoder, Encoded, EncodeReport, PlainEncoder, SnDEncoder
+from privlm.snd.encoder import BaseEncoder, Encoded, EncodeReport, EncoderOptions, PlainEncoder, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
 from privlm.snd.service.client import (
     AsyncClient,
     BaseClient,
     Client,
+    ClientOptions,
     IncompleteEncodingError,
     ModelChangedError,
     ServerError,
@@ -22,11 +23,13 @@ __all__ = [
     "BaseClient",
     "BaseEncoder",
     "Client",
+    "ClientOptions",
     "Denoiser",
     "DenoiserCard",
     "DenoiserConfig",
     "EncodeReport",
     "Encoded",
+    "EncoderOptions",
     "IncompleteEncodingError",
     "ModelChangedError",
     "PlainEncoder",

@@ -25,16 +25,14 @@ Variants (same architecture and training; ``variant``):
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Self
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from torch import nn
 
-Variant = Literal["snd", "server", "local"]
-Layout = Literal["fused", "sequence"]
-Readout = Literal["e_n", "query"]
-VARIANTS: tuple[Variant, ...] = ("snd", "server", "local")
+from privlm.settings.snd import Layout, Readout, Variant
+
 _ETA_FREQUENCIES = 8
 EtaBound = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 

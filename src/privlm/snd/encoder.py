@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from privlm._validation import check_choice, check_positive_int
 from privlm.accounting import Ledger, Receipt, charge
 from privlm.mechanisms import NoiseSampler, make_generator
 from privlm.models import SplitModel, TokenEmbedder, Tokens, TruncationPolicy
@@ -29,6 +28,7 @@ from privlm.snd.artefacts import default_denoiser_dir, load_denoiser, warn_if_ou
 from privlm.snd.card import DenoiserCard
 from privlm.snd.denoiser import Denoiser
 from privlm.snd.privatizer import PrivateBatch, SnDPrivatizer
+from privlm.validation import check_choice, check_positive_int
 
 ServerFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (X~, mask) -> e_n
 LOCAL_PRINCIPAL = "local"
@@ -64,6 +64,18 @@ class EncodeCall:
     report: EncodeReport
 
 
+@dataclass(frozen=True)
+class EncoderOptions:
+    """An encoder's rarely-set knobs. ``clip``: None follows the denoiser's training; True/False forces it.
+    ``sampler``: how the noise is drawn. ``batch_size``: texts a batch. ``truncation``: over-long texts are cut with
+    a warning, or refused."""
+
+    clip: bool | None = None
+    sampler: NoiseSampler = "gamma"
+    batch_size: int = 64
+    truncation: TruncationPolicy = "warn"
+
+
 def resolve_model(model: str | Path | SplitModel, device: str | torch.device) -> SplitModel:
     return model if isinstance(model, SplitModel) else SplitModel.from_pretrained(model, device=device)
 
@@ -75,22 +87,22 @@ class BaseEncoder:
 
     ``denoiser``: ``"default"`` (the one shipped for a packaged model), a folder written by
     ``privlm snd train``, or None for no denoising (the clipped TokEmbPriv ablation).
-    ``clip``: None follows the denoiser's training; True/False forces it.
+    ``options``: clipping, the sampler, the batch size and the truncation policy (:class:`EncoderOptions`).
     ``generator``: one stream for every call (reproducible, but calls then share it); None gives each
     call a fresh OS-seeded generator.
     ``ledger``: every call's release (eta per token row) is spent there first, for the call's principal.
     """
 
     def __init__(self, model: TokenEmbedder, *, eta: float, denoiser: str | Path | None = "default",
-                 clip: bool | None = None, sampler: NoiseSampler = "gamma", batch_size: int = 64,
-                 truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
-                 ledger: Ledger | None = None) -> None:
+                 generator: torch.Generator | None = None, ledger: Ledger | None = None,
+                 options: EncoderOptions = EncoderOptions()) -> None:
         self.model = model
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        self.truncation: TruncationPolicy = check_choice("truncation", truncation, ("warn", "error"))
+        self.batch_size = check_positive_int("batch_size", options.batch_size)
+        self.truncation: TruncationPolicy = check_choice("truncation", options.truncation, ("warn", "error"))
         self.denoiser, self.card = self._load_denoiser(denoiser)
+        clip = options.clip
         clip = self.card.training.clip if clip is None and self.card else (True if clip is None else clip)
-        self.privatizer = SnDPrivatizer(self.model, eta=eta, clip=clip, sampler=sampler, generator=generator)
+        self.privatizer = SnDPrivatizer(self.model, eta=eta, clip=clip, sampler=options.sampler, generator=generator)
         if self.card:
             warn_if_outside_range(self.card, self.eta)
         self.ledger = ledger
@@ -179,18 +191,16 @@ class SnDEncoder(BaseEncoder):
     """
 
     def __init__(self, model: str | Path | TokenEmbedder = "minilm", *, eta: float,
-                 denoiser: str | Path | None = "default", clip: bool | None = None, sampler: NoiseSampler = "gamma",
-                 device: str | torch.device = "auto", batch_size: int = 64, truncation: TruncationPolicy = "warn",
+                 denoiser: str | Path | None = "default", device: str | torch.device = "auto",
                  generator: torch.Generator | None = None, server: ServerFn | None = None,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, options: EncoderOptions = EncoderOptions()) -> None:
         model = model if isinstance(model, TokenEmbedder) else resolve_model(model, device)
         if server is None:
             if not isinstance(model, SplitModel):
                 raise ValueError("a client-only model needs a server function (see privlm.snd.Client)")
             server = model.encode
         self._server = server
-        super().__init__(model, eta=eta, denoiser=denoiser, clip=clip, sampler=sampler, batch_size=batch_size,
-                         truncation=truncation, generator=generator, ledger=ledger)
+        super().__init__(model, eta=eta, denoiser=denoiser, generator=generator, ledger=ledger, options=options)
 
     def server_encode(self, private: PrivateBatch) -> torch.Tensor:
         """Server: sees X~ and the mask only (in-process here; over HTTP in ``privlm.snd.Client``)."""

@@ -7,11 +7,11 @@ effective noise Z~ = X~ - X) stay on the client and feed the denoiser.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from privlm.mechanisms import DChiLaplace, NoiseSampler, PrivacyUnit, Spend, clip_with_effective_noise, make_generator
+from privlm.mechanisms import DChiLaplace, NoiseSampler, Spend, clip_with_effective_noise, make_generator
 from privlm.models import TokenBatch, TokenEmbedder, Tokens, TruncationPolicy
 
 
@@ -49,10 +49,16 @@ class SnDPrivatizer:
         return self.mechanism.eta
 
     def spend(self, lengths: Sequence[int]) -> Spend:
-        """What releasing sentences of these token lengths costs: eta per token row (special tokens
-        included; padding is never released)."""
-        eta = self.eta.detach().cpu().double().reshape(-1) if isinstance(self.eta, torch.Tensor) else self.eta
-        return Spend(PrivacyUnit.ETA_TOKEN, float((torch.tensor(lengths, dtype=torch.float64) * eta).sum()))
+        """What releasing sentences of these token lengths costs: the mechanism's price of their token rows
+        (special tokens included; padding is never released)."""
+        counts = torch.tensor(list(lengths), dtype=torch.long)
+        rows = torch.empty(int(counts.sum()), 0)  # one per released token row: only their number is priced
+        if not isinstance(self.eta, torch.Tensor):
+            return self.mechanism.spend(rows)
+        if not rows.shape[0]:
+            return Spend(self.mechanism.unit, 0.0)
+        per_row = self.eta.detach().cpu().reshape(-1).broadcast_to(counts.shape).repeat_interleave(counts)
+        return replace(self.mechanism, eta=per_row).spend(rows)  # each sentence's rows at its own level
 
     def privatize_embeddings(self, clean: torch.Tensor, attention_mask: torch.Tensor, *,
                              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from privlm.attacks import (
     AttackResult,
     DChiNoise,
     Inversion,
+    LMInversionConfig,
     NGramPrior,
     ReleasedTokenNoise,
     clip_rate,
@@ -147,10 +148,10 @@ def _snd(model: SplitModel, attacked: Attacked, truth: Sequence[torch.Tensor], v
                              frequencies=prior.token_counts,
                              generator=make_generator(setting.seed + 1, device=model.device))
     noise = DChiNoise(eta=estimated, clip_norm=clip_norm)
-    strongest = lm_inversion(released, truth, vocabulary, noise=noise, prior=prior, beam=setting.beam,
-                             shortlist=setting.shortlist, name="lm-inversion")
-    likelihood_only = lm_inversion(released, truth, vocabulary, noise=noise, prior=prior, beam=1,
-                                   shortlist=setting.shortlist, prior_weight=0.0, name="exact-likelihood")
+    strongest = lm_inversion(released, truth, vocabulary, noise=noise, prior=prior, name="lm-inversion",
+                             config=LMInversionConfig(beam=setting.beam, shortlist=setting.shortlist))
+    likelihood_only = lm_inversion(released, truth, vocabulary, noise=noise, prior=prior, name="exact-likelihood",
+                                   config=LMInversionConfig(beam=1, shortlist=setting.shortlist, prior_weight=0.0))
     common: dict[str, Any] = {**_levels("snd", eta), "clip_rate": rate_clipped, "eta_estimated": estimated}
     test_only: dict[str, Any] = {"n_test": n}
     return [
@@ -183,8 +184,8 @@ def _text2text(attacked: Attacked, truth: Sequence[torch.Tensor], vocabulary: to
     rows_released = [vocabulary[ids] for ids in released_ids]
     noise = ReleasedTokenNoise.calibrated(vocabulary, eta, frequencies=prior.token_counts,
                                           generator=make_generator(setting.seed + 1, device=vocabulary.device))
-    strongest = lm_inversion(rows_released, truth, vocabulary, noise=noise, prior=prior,
-                             beam=setting.beam, shortlist=setting.shortlist, name="lm-inversion-surrogate")
+    strongest = lm_inversion(rows_released, truth, vocabulary, noise=noise, prior=prior, name="lm-inversion-surrogate",
+                             config=LMInversionConfig(beam=setting.beam, shortlist=setting.shortlist))
     common = {**_levels("text2text", eta), "surrogate_scale": noise.scale}
     return [
         attack_row(before, **common, target="tokens", role="before"),

@@ -57,6 +57,8 @@ import privlm.cape  # noqa: F401 (the registry's mechanisms)
 from privlm.attacks import (
     REWRITE_INSTRUCTION,
     AttackResult,
+    AttributeInferenceConfig,
+    LLMReconstructionConfig,
     attribute_inference,
     chat_rewriter,
     fit_released_log_odds,
@@ -217,7 +219,7 @@ class PromptAttacks:
         budget = self.sizes.n_test  # texts: the fit costs what the test attack costs
         return fit_released_log_odds(view.original[:budget], view.released[:budget], positions[:budget],
                                      self.lm.model, start_id=self.start_id, excluded=self.special,
-                                     shortlist=self.sizes.shortlist)
+                                     config=LLMReconstructionConfig(shortlist=self.sizes.shortlist))
 
     def token_rows(self, texts: Sequence[str], released: Sequence[PerturbedPrompt], log_odds: float,
                    common: dict[str, Any]) -> list[Row]:
@@ -237,7 +239,8 @@ class PromptAttacks:
         retention = AttackResult(name="retention", successes=int((kept == total).sum()), trials=int(kept.numel()))
         aware, alone = (llm_reconstruction(view.original, view.released, attacked, self.lm.model,
                                            start_id=self.start_id, excluded=self.special,
-                                           shortlist=self.sizes.shortlist, top=10, released_log_odds=b)
+                                           config=LLMReconstructionConfig(shortlist=self.sizes.shortlist, top=10,
+                                                                          released_log_odds=b))
                         for b in (log_odds, 0.0))
         extra = {**common, "shortlist": self.sizes.shortlist, "positions_per_prompt": self.sizes.attack_positions,
                  "knn_all_rate": knn_all.rate, "knn_all_trials": knn_all.trials, "released_log_odds": log_odds}
@@ -296,8 +299,9 @@ class PromptAttacks:
                     return False
                 continue
             found = llm_reconstruction([original], [released], [[i]], self.lm.model, start_id=self.start_id,
-                                       excluded=self.special, shortlist=self.sizes.shortlist, top=1,
-                                       released_log_odds=log_odds)
+                                       excluded=self.special,
+                                       config=LLMReconstructionConfig(shortlist=self.sizes.shortlist, top=1,
+                                                                      released_log_odds=log_odds))
             if found.top1.successes == 0:
                 return False
         return True
@@ -311,7 +315,7 @@ class PromptAttacks:
         labels = np.array([a for _, a in self.attribute_test])
         result = attribute_inference(self.embed([p.text for p in train]),
                                      np.array([a for _, a in self.attribute_train]), self.embed(test_texts), labels,
-                                     classifier="logistic", seed=self.seed)
+                                     seed=self.seed, config=AttributeInferenceConfig(classifier="logistic"))
         read = [airline_of(text) == a for text, a in zip(test_texts, labels.tolist(), strict=True)]
         reading = AttackResult(name="attribute-read-mention", successes=sum(read), trials=len(read),
                                chance=result.chance)

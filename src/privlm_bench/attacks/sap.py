@@ -43,6 +43,10 @@ import torch
 
 from privlm.attacks import (
     AttackResult,
+    GradientInversionConfig,
+    InversionModelConfig,
+    OptimisationInversionConfig,
+    RefinementInputs,
     ReleasedTokenNoise,
     fit_inversion_model,
     gradient_inversion,
@@ -212,8 +216,8 @@ def sap_rows(*, quick: bool, seed: int, eta: float = ETA_K0) -> list[Row]:
         setting = f"MiniLM k={blocks}, CTI, head=customer" if blocks == 0 else f"MiniLM k={blocks}, head=customer"
         common: dict[str, Any] = {"system": SYSTEM, "setting": setting, "level_name": "eta", "level": level}
         model = fit_inversion_model(_simulate(initial, parts.tokenizer, public, level, seed), public[1], public[0],
-                                    initial.vocabulary, mask=public[2], linear_map=blocks > 0,
-                                    generator=make_generator(seed))
+                                    initial.vocabulary, mask=public[2], generator=make_generator(seed),
+                                    config=InversionModelConfig(linear_map=blocks > 0))
         vocabulary = initial.vocabulary.detach()
         extra: dict[str, Any] = {"noise_to_signal": vocabulary.shape[1] / level / norms[blocks],
                                  "public_texts": len(public_texts)}
@@ -270,16 +274,18 @@ def _refinements(observed: _ObservedAtStep0, parties: Any, initial: BottomModel,
     start = time.perf_counter()
     out["uniform"] = (optimisation_inversion(sample.values, sample.attention_mask, initial.forward_from_words,
                                              initial.vocabulary.detach(), sample.true_ids, mask=sample.text_mask,
-                                             steps=sizes.refine_steps, generator=make_generator(seed)),
+                                             generator=make_generator(seed),
+                                             config=OptimisationInversionConfig(steps=sizes.refine_steps)),
                       facts | {"wall_seconds": time.perf_counter() - start})
     for key, weight in (("without", 0.0), ("with", 1.0)):
         start = time.perf_counter()
+        inputs = RefinementInputs(observed_gradients=gradients, gradient_forward=forward_model, init_logits=init,
+                                  generator=make_generator(seed))
+        config = GradientInversionConfig(gradient_weight=weight, steps=sizes.refine_steps,
+                                         name=f"learned+refine ({key} gradient term)")
         result = gradient_inversion(sample.values, sample.attention_mask, initial.forward_from_words,
                                     initial.vocabulary.detach(), sample.true_ids, mask=sample.text_mask,
-                                    observed_gradients=gradients, gradient_forward=forward_model,
-                                    gradient_weight=weight, init_logits=init, steps=sizes.refine_steps,
-                                    generator=make_generator(seed),
-                                    name=f"learned+refine ({key} gradient term)")
+                                    inputs=inputs, config=config)
         out[key] = (result, facts | {"wall_seconds": time.perf_counter() - start})
     return out
 

@@ -55,7 +55,7 @@ import torch
 
 import privlm.baselines
 import privlm.cape  # noqa: F401 (Cape's variants register by name)
-from privlm.attacks import AttackResult, masked_token_inference, rouge_l_f1
+from privlm.attacks import AttackResult, MaskedTokenConfig, masked_token_inference, rouge_l_f1
 from privlm.cape import Cape, PublicContextCape
 from privlm.mechanisms import make_generator, nearest_neighbours
 from privlm.models import SplitModel
@@ -396,9 +396,9 @@ class CapeBench:
             return {"mti_success": math.nan, "mti_rouge_l": math.nan, "mti_trials": 0.0}
         result = masked_token_inference([view.original[i] for i in chosen], [view.released[i] for i in chosen],
                                         self.lm.model, self.lm.tokenizer,
-                                        attack_mask=[view.through[i] for i in chosen],
-                                        method="causal-lm-stand-in", top_k=self.setting.mti_top_k,
-                                        seed=self.setting.seed)
+                                        attack_mask=[view.through[i] for i in chosen], seed=self.setting.seed,
+                                        config=MaskedTokenConfig(method="causal-lm-stand-in",
+                                                                 top_k=self.setting.mti_top_k))
         return {"mti_success": result.rate, "mti_rouge_l": float(result.details["rouge_l_f1"]),
                 "mti_trials": float(result.trials)}
 

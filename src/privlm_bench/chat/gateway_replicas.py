@@ -1,7 +1,8 @@
 """``privlm bench serve --gateway-replicas 1,2``: the gateway on Ray Serve with N replicas sharing one PostgreSQL
 ledger, and what the ledger itself adds to a request.
 
-One run, every party in its own process on localhost: a PostgreSQL server (:class:`PostgresServer`), the chat
+One run, every party in its own process on localhost: a PostgreSQL server (privlm.accounting.postgres_server:
+the bench runs from a checkout), the chat
 bench's stub upstream (answers at once, so that the gateway's own work stands alone), a ``privlm serve`` SnD
 server; then, for each N, ``privlm gateway --ray --replicas N`` (chat: Cape on SmolLM2 at the chat bench's
 epsilon with B calibrated as it does, conversation memory off so that every request is perturbed; embeddings:
@@ -45,12 +46,13 @@ from typing import Any
 import httpx
 import psutil
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
 from privlm.accounting.database import close_pools, is_database_url
+from privlm.accounting.postgres_server import PostgresServer
 from privlm.mechanisms import PrivacyUnit, Spend
 from privlm.provenance import provenance
 from privlm.service.process import free_port, start_privlm, stop
+from privlm.validation import check_positive_finite, check_positive_int
 from privlm_bench.chat.load import (
     PROMPTS,
     STUB_MODEL,
@@ -68,7 +70,6 @@ from privlm_bench.chat.load import (
     summarize,
 )
 from privlm_bench.data import named_task, split_dataset
-from privlm_bench.harness.postgres import PostgresServer
 from privlm_bench.snd.serve_load import GATEWAY_ETA, SENTENCES_PER_REQUEST, _load_gateway, start_server
 
 REPLICA_HEADER = "x-privlm-replica"  # privlm.gateway.ray's; not imported, so that the report needs no Ray
@@ -328,12 +329,17 @@ def cpu_busy(before: Any, after: Any) -> float:
     return 0.0 if total <= 0 else max(0.0, min(1.0, 1.0 - idle / total))
 
 
+def _postgres_server() -> PostgresServer:
+    """A durable PostgreSQL server (commits reach the disk, as SQLite's do: a fair ledger comparison)."""
+    return PostgresServer(durable=True)
+
+
 def run_replica_bench(setting: ReplicaBenchSetting, out_dir: Path, log: Callable[[str], None]) -> list[Path]:
     """The whole run (module docstring); writes results.json and results.md in ``out_dir``; returns them."""
     meta = provenance(seed=setting.seed)
     load_at_start = os.getloadavg()
     texts = list(split_dataset(named_task("tweets-binary"), seed=setting.seed).test.texts[:512])
-    postgres = PostgresServer(durable=True)  # commits reach the disk, as SQLite's do: a fair ledger comparison
+    postgres = _postgres_server()
     rows: list[dict[str, Any]] = []
     commands: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="privlm-replica-bench-") as tmp, ExitStack() as stack:

@@ -40,7 +40,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
-from privlm._validation import check_positive_int
 from privlm.chat.wire import (
     SSE_DONE,
     SSE_EVENT_SCHEMA,
@@ -67,6 +66,7 @@ from privlm.service.catalog import ModelEntry, catalog_router, check_model
 from privlm.service.disclosure import public_model_name
 from privlm.service.errors import ServiceError
 from privlm.service.scheduling import FairScheduler
+from privlm.validation import check_positive_int
 
 MAX_REQUEST_BYTES = 2**20
 MAX_TOKENS_CAP = 1024

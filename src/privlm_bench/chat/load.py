@@ -51,7 +51,6 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response, StreamingResponse
 from rich.console import Console
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.chat.service.privacy import PrivacyRequest, PromptPrivacy
 from privlm.chat.wire import (
     SSE_DONE,
@@ -72,6 +71,7 @@ from privlm.service import BearerKeys, create_service_app, run_service
 from privlm.service.auth import KEY_ENV_VARS
 from privlm.service.catalog import ModelEntry, catalog_router
 from privlm.service.process import free_port, start_privlm, stop
+from privlm.validation import check_positive_finite, check_positive_int
 
 Mode = Literal["non-streaming", "streaming"]
 MODES: tuple[Mode, ...] = ("non-streaming", "streaming")

@@ -69,8 +69,8 @@ from rich.console import Console
 
 import privlm.baselines
 import privlm.cape  # noqa: F401 (the registry's mechanisms)
-from privlm.attacks import llm_reconstruction
-from privlm.cape import Cape, PublicContextCape
+from privlm.attacks import LLMReconstructionConfig, llm_reconstruction
+from privlm.cape import Cape, PublicContextCape, PublicContextOptions
 from privlm.cape.utility import wrapping
 from privlm.chat.extraction import AnswerExtractor
 from privlm.mechanisms import make_generator
@@ -354,7 +354,9 @@ class QualityBench:
         attacked = [self._draw([i for i in w if flags[i]], self.setting.attack_positions, "attack", k)
                     for k, (w, flags) in enumerate(zip(where, view.through, strict=True))]
         result = llm_reconstruction(view.original, view.released, attacked, self.lm.model, start_id=self.start_id,
-                                    excluded=self.special, shortlist=self.setting.shortlist, top=self.setting.top)
+                                    excluded=self.special,
+                                    config=LLMReconstructionConfig(shortlist=self.setting.shortlist,
+                                                                   top=self.setting.top))
         knn = self.tweets.knn.attack(*view.flat(view.through))
         return {"lm_top1": result.top1.rate, "lm_top10": result.topk.rate, "lm_trials": float(result.top1.trials),
                 "knn_success": knn.rate}
@@ -426,7 +428,8 @@ def select_public(bench: QualityBench, upstream: Upstream) -> dict[str, Any]:
     grid = []
     for tau in s.select_taus:
         for top_p in s.select_top_ps:
-            perturber = PublicContextCape(bench.lm, epsilon=s.select_epsilon, tau=tau, top_p=top_p,
+            perturber = PublicContextCape(bench.lm, epsilon=s.select_epsilon,
+                                          options=PublicContextOptions(tau=tau, top_p=top_p),
                                           generator=bench.generator("select", tau, top_p))
             sent = [r.text for r in perturber.perturb_batch([p.text for p in prompts])]
             answers = [upstream.answer(t) for t in sent]

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from privlm._validation import check_positive_finite
 from privlm.cape.model import Cape, PreparedPrompt
 from privlm.provenance import provenance
+from privlm.validation import check_positive_finite
 from privlm_bench.chat.load import CALIBRATION_PROMPTS  # public prompts: B as `privlm bench chat` has it
 from privlm_bench.harness.report import markdown_table
 

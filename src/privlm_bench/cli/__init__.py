@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import typer
 
+from privlm.cli.options import settings_command
 from privlm_bench.cli import attacks, baselines, cape, chat, detect, sap, snd  # noqa: F401 - registers the bench commands
 from privlm_bench.cli.app import bench_app
-from privlm_bench.cli.llm import serve_llm
+from privlm_bench.cli.llm import ENV_PREFIX, ServeLlmSettings, serve_llm
 
 
 def add_commands(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
-    app.command("serve-llm")(serve_llm)
+    settings_command(app, "serve-llm", ServeLlmSettings, env_prefix=ENV_PREFIX, config_file=True)(serve_llm)

@@ -26,7 +26,7 @@ def bench_baselines(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """TokEmbPriv and Text2Text over several etas: inversion success vs probe AUC."""
-    from privlm._validation import check_choice
+    from privlm.validation import check_choice
     from privlm_bench.baselines.sweep import baselines_sweep
     from privlm_bench.harness.bench import run_sweep
     from privlm_bench.harness.embedding import EmbeddingSetting

@@ -36,7 +36,7 @@ def bench_snd(
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points an interrupted run finished.")] = False,
 ) -> None:
     """SnD vs baselines and ablations at calibrated etas: utility, attacks, privacy-utility plots."""
-    from privlm._validation import check_choice
+    from privlm.validation import check_choice
     from privlm_bench.harness.bench import run_sweep
     from privlm_bench.harness.probes import PROBE_KINDS
     from privlm_bench.snd.sweep import SnDSetting, snd_sweep

@@ -1,4 +1,5 @@
-"""Your own labelled files: CSV/TSV with a header row, JSONL, and the GLUE train/dev TSVs.
+"""Your own labelled files: CSV/TSV with a header row, JSONL, and the GLUE train/dev TSVs (read by
+:func:`privlm.data.read_table`).
 
 User files keep their order (a ``limit`` subsample too) and their text (cells are only stripped);
 every row that cannot be used is counted in the dataset's ``report``.
@@ -6,52 +7,26 @@ every row that cannot be used is counted in the dataset's ``report``.
 
 from __future__ import annotations
 
-import csv
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from privlm._validation import check_choice
-from privlm.data.core import (
+from privlm.data import (
     PathLike,
+    Table,
     Task,
     TextDataset,
-    _check_limit,
-    _check_seed,
-    _default_metric,
-    _finish,
-    _new_report,
+    check_limit,
+    check_seed,
+    default_metric,
+    finish_dataset,
+    new_report,
+    read_table,
+    table_format,
 )
-
-_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
-
-
-def _read_records(
-    path: Path, fmt: str, *, quoting: str, header: Sequence[str] | None = None
-) -> tuple[list[str], list[dict[str, Any] | None]]:
-    """Column names and one dict per data row (None for a row with the wrong number of fields)."""
-    with open(path, encoding="utf-8-sig", newline="") as handle:
-        if fmt == "jsonl":
-            records = [_json_record(line) for line in handle if line.strip()]
-            columns = list(dict.fromkeys(k for r in records if r is not None for k in r))
-            return columns, records
-        delimiter = "\t" if fmt == "tsv" else ","
-        reader = (csv.reader(handle, delimiter=delimiter, quoting=csv.QUOTE_NONE, escapechar=None)
-                  if quoting == "none" else csv.reader(handle, delimiter=delimiter))
-        columns = list(header) if header is not None else [c.strip() for c in next(reader, [])]
-        rows = (row for row in reader if row)  # a blank line is not a row; a row of empty cells is
-        return columns, [dict(zip(columns, row, strict=True)) if len(row) == len(columns) else None for row in rows]
-
-
-def _json_record(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
+from privlm.validation import check_choice
 
 
 def _cell(value: Any) -> str:
@@ -81,8 +56,7 @@ def _label_order(values: Iterable[str]) -> tuple[str, ...]:
 
 
 def _table_dataset(
-    columns: list[str],
-    records: list[dict[str, Any] | None],
+    table: Table,
     *,
     text: tuple[str, str],
     pair: tuple[str, str] | None,
@@ -93,16 +67,15 @@ def _table_dataset(
     metric: str | None,
     report: dict[str, Any],
 ) -> tuple[Task, list[tuple[str, str | None, int]]]:
-    """Check the columns, then turn records into (text, pair, label id) rows, counting every skip."""
+    """Check the columns, then turn rows into (text, pair, label id) rows, counting every skip."""
     for parameter, column in (text, label, *((pair,) if pair else ())):
-        if column not in columns:
-            raise ValueError(f"{parameter}={column!r} is not a column of {report['source']}; it has {columns}")
+        if column not in table.columns:
+            raise ValueError(f"{parameter}={column!r} is not a column of {report['source']}; it has "
+                             f"{list(table.columns)}")
+    report["rows_read"] += len(table) + len(table.bad_lines)
+    report["skipped"]["malformed row"] += len(table.bad_lines)
     cells = []
-    for record in records:
-        report["rows_read"] += 1
-        if record is None:
-            report["skipped"]["malformed row"] += 1
-            continue
+    for record in table.rows:
         row = (_cell(record.get(text[1])), _cell(record.get(pair[1])) if pair else None, _cell(record.get(label[1])))
         reason = "empty text" if not row[0] else "empty text pair" if pair and not row[1] else None
         reason = reason or ("empty label" if not row[2] else None)
@@ -120,7 +93,7 @@ def _table_dataset(
     rows = [(t, p, index[v]) for t, p, v in cells if v in index]
     report["skipped"]["label not in labels"] += len(cells) - len(rows)
     names = tuple(names) if names is not None else values
-    task = Task(name, "pair" if pair else "single", names, metric or _default_metric(len(names)))
+    task = Task(name, "pair" if pair else "single", names, metric or default_metric(len(names)))
     return task, rows
 
 
@@ -148,20 +121,18 @@ def load_table(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
-    fmt = check_choice("format", format, ("auto", "csv", "tsv", "jsonl"))
-    if fmt == "auto" and (fmt := _FORMATS.get(path.suffix.lower(), "")) == "":
-        raise ValueError(f"format='auto' cannot tell the format of {path.name}; pass format='csv', 'tsv' or 'jsonl'")
+    fmt = table_format(path, format)
     check_choice("quoting", quoting, ("minimal", "none"))
     values = None if labels is None else _check_label_values(labels)
-    limit, seed = _check_limit(limit), _check_seed(seed)
-    columns, records = _read_records(path, fmt, quoting=quoting)
-    report = _new_report(path, format=fmt)
+    limit, seed = check_limit(limit), check_seed(seed)
+    table = read_table(path, format=fmt, quoting=quoting, bad_rows="skip")
+    report = new_report(path, format=fmt)
     task, rows = _table_dataset(
-        columns, records, text=("text_column", text_column), label=("label_column", label_column),
+        table, text=("text_column", text_column), label=("label_column", label_column),
         pair=("text_pair_column", text_pair_column) if text_pair_column is not None else None,
         values=values, names=None, name=name or path.stem, metric=None, report=report,
     )
-    return _finish(task, rows, report, limit=limit, seed=seed, shuffle=False)
+    return finish_dataset(task, rows, report, limit=limit, seed=seed, shuffle=False)
 
 
 @dataclass(frozen=True)
@@ -202,13 +173,13 @@ def load_glue(name: str, path: PathLike, *, limit: int | None = None, seed: int 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
-    limit, seed = _check_limit(limit), _check_seed(seed)
-    columns, records = _read_records(path, "tsv", quoting="none", header=spec.header)
-    report = _new_report(path, format="glue-tsv")
+    limit, seed = check_limit(limit), check_seed(seed)
+    table = read_table(path, format="tsv", quoting="none", header=spec.header, bad_rows="skip")
+    report = new_report(path, format="glue-tsv")
     task, rows = _table_dataset(
-        columns, records, text=("text column", spec.text), label=("label column", spec.label),
+        table, text=("text column", spec.text), label=("label column", spec.label),
         pair=("text pair column", spec.pair) if spec.pair else None,
         values=spec.values, names=spec.names, name=key, metric=spec.metric, report=report,
     )
-    return _finish(task, rows, report, limit=limit, seed=seed, shuffle=False)
+    return finish_dataset(task, rows, report, limit=limit, seed=seed, shuffle=False)
 

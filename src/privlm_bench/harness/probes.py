@@ -19,7 +19,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import accuracy_score, roc_auc_score
 from torch import nn
 
-from privlm._validation import check_choice, check_positive_finite, check_positive_int
+from privlm.validation import check_choice, check_positive_finite, check_positive_int
 
 ProbeKind = Literal["mlp", "logistic"]
 PROBE_KINDS: tuple[ProbeKind, ...] = ("mlp", "logistic")

@@ -30,10 +30,10 @@ import torch
 from sklearn.metrics import roc_auc_score
 from transformers import PreTrainedTokenizerBase
 
-from privlm._validation import check_positive_int
 from privlm.models.batching import length_sorted_batches
 from privlm.models.kv_cache import cache_of, with_cache
 from privlm.models.language import LanguageModel
+from privlm.validation import check_positive_int
 
 CAPE_SYSTEM_PROMPT = ("You are a helpful assistant. Classify if the sentence is positive or negative sentiment. "
                       "Just gives the answer in positive, negative.")

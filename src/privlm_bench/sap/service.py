@@ -31,11 +31,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.provenance import provenance
 from privlm.sap import Client, SapConfig, connect, split_pretrained
 from privlm.sap.customer import Customer
 from privlm.service.process import free_port, start_privlm, stop
+from privlm.validation import check_positive_finite, check_positive_int
 from privlm_bench.data import load_tweets
 from privlm_bench.harness.report import markdown_table
 

@@ -74,7 +74,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -83,9 +83,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from privlm._validation import check_choice, check_in_interval, check_positive_finite, check_positive_int
 from privlm.attacks import (
     AttackResult,
+    AttributeInferenceConfig,
+    OptimisationInversionConfig,
     attribute_inference,
     label_inference_from_logit_gradients,
     label_inference_from_representation_gradients,
@@ -99,9 +100,10 @@ from privlm.models.loading import load_pretrained
 from privlm.models.partition import BottomModel, split_model
 from privlm.provenance import provenance
 from privlm.sap import Forward, OutputGradient, PrivatizedBatch, SapConfig, Upload, connect, fine_tune, split_pretrained
-from privlm.sap.centralised import fine_tune_centralised
-from privlm.sap.config import HeadPlacement
+from privlm.sap.centralised import CentralisedModel, fine_tune_centralised
+from privlm.sap.config import FitOptions, HeadPlacement
 from privlm.sap.messages import CustomerMessage
+from privlm.validation import check_choice, check_in_interval, check_positive_finite, check_positive_int
 from privlm_bench.data import Splits, load_tweets, split_dataset
 from privlm_bench.harness.json_values import to_json
 from privlm_bench.harness.report import markdown_table
@@ -178,7 +180,7 @@ class SapBenchSetting:
     opt_steps: int = 100  # trimmed from 200
     opt_batch_size: int = 8
     label_known: int = 20  # labels the representation-gradient attacker knows
-    attribute_classifier: str = "logistic"
+    attribute_classifier: Literal["logistic", "mlp"] = "logistic"
     norm_examples: int = 256
     accuracy_margin: float = 0.01
     privacy_margin: float = 0.02
@@ -400,10 +402,10 @@ class SapBench:
         train, validation, test = self.splits.train, self.splits.validation, self.splits.test
         phase("training")
         if spec.centralised:
-            fit = fine_tune_centralised(self.setting.model, config=config, n_classes=self.n_classes,
-                                        train_texts=train.texts, train_labels=train.labels,
-                                        validation_texts=validation.texts, validation_labels=validation.labels,
-                                        test_texts=test.texts, test_labels=test.labels, device=self.device)
+            whole = CentralisedModel.load(self.setting.model, config=config, n_classes=self.n_classes,
+                                          device=self.device)
+            fit = fine_tune_centralised(whole, train.texts, train.labels, validation.texts, validation.labels,
+                                        options=FitOptions(test_texts=test.texts, test_labels=test.labels))
             nothing = {"rate": None, "reason": "nothing leaves the data owner"}
             return record | _fit_figures(fit) | {
                 "config": asdict(config), "empirical_privacy": None, "inversion": nothing, "attribute": nothing,
@@ -475,8 +477,9 @@ class SapBench:
             s = self.setting
             result = _attack(
                 optimisation_inversion, stacked.values, stacked.attention_mask, initial.forward_from_words,
-                vocabulary, stacked.true_ids, mask=stacked.text_mask, steps=s.opt_steps, batch_size=s.opt_batch_size,
-                generator=make_generator(s.seed, device=vocabulary.device))
+                vocabulary, stacked.true_ids, mask=stacked.text_mask,
+                generator=make_generator(s.seed, device=vocabulary.device),
+                config=OptimisationInversionConfig(steps=s.opt_steps, batch_size=s.opt_batch_size))
             self._inversions[key] = result | {
                 "method": f"optimisation (Song & Raghunathan 2020), {s.opt_steps} steps, initial bottom",
                 "examples": len(sample)}
@@ -501,7 +504,8 @@ class SapBench:
             return {"rate": None, "reason": f"too few examples with an airline ({len(attacker)} + {len(target)})"}
         result = _attack(attribute_inference, torch.stack([observed.pooled[i] for i in attacker]), y_attacker,
                          torch.stack([observed.pooled[i] for i in target]), np.array([self.airline[i] for i in target]),
-                         classifier=self.setting.attribute_classifier, seed=self.setting.seed)
+                         seed=self.setting.seed,
+                         config=AttributeInferenceConfig(classifier=self.setting.attribute_classifier))
         return result | {"attribute": "airline", "attacker_examples": len(attacker),
                                   "target_examples": len(target)}
 

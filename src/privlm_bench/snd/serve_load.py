@@ -26,7 +26,7 @@ import torch
 from privlm.models import SplitModel
 from privlm.provenance import provenance
 from privlm.service.process import free_port, start_privlm, stop
-from privlm.snd import Client, SnDPrivatizer
+from privlm.snd import Client, ClientOptions, SnDPrivatizer
 from privlm.wire import write_sequences
 from privlm_bench.data import named_task, split_dataset
 
@@ -127,7 +127,8 @@ def plain_forward_throughput(model: SplitModel, texts: list[str], *, batch_size:
 def restart_check(model_name: str, model: SplitModel, texts: list[str], port: int,
                   server: subprocess.Popen[bytes]) -> tuple[dict[str, object], subprocess.Popen[bytes]]:
     """Restart the server mid-run: every embedding must come back once, in order. Returns the new server too."""
-    client = Client(f"http://127.0.0.1:{port}", eta=1e6, denoiser=None, retry_for=60, backoff=0.25, batch_size=8)
+    client = Client(f"http://127.0.0.1:{port}", eta=1e6, denoiser=None,
+                    options=ClientOptions(retry_for=60, backoff=0.25, batch_size=8))
     restarted: list[subprocess.Popen[bytes]] = []
 
     def restart() -> None:

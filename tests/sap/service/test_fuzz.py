@@ -6,6 +6,7 @@ import httpx
 import pytest
 import schemathesis
 
+from privlm.sap.model import VendorModel
 from privlm.sap.service.server import create_vendor_app
 from privlm.sap.service.wire import SAP_MESSAGE, SESSIONS_PATH
 from tests.sap.service.conftest import KEYS
@@ -17,7 +18,7 @@ schemathesis.serializer.alias(SAP_MESSAGE, "application/octet-stream")  # SAP me
 
 @pytest.mark.slow
 def test_no_operation_answers_5xx(vendor_model, tmp_path):
-    app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
+    app = create_vendor_app(VendorModel.load(str(vendor_model)), store=tmp_path / "store", api_keys=KEYS)
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     with serving(app) as url:
         fingerprint = httpx.get(f"{url}/v1/sap/bottoms/0", headers=headers).json()["fingerprint"]

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from privlm.sap import Forward, OutputGradient, PrivatizedBatch, StepDone, Upload, from_bytes, to_bytes
-from privlm.sap.service.server import create_vendor_app
+from privlm.sap.model import VendorModel
+from privlm.sap.service.server import VendorOptions, create_vendor_app
 from privlm.sap.service.sessions import SessionLimits
 from privlm.sap.service.wire import SESSIONS_PATH
 from tests.sap.service.conftest import KEYS
@@ -64,8 +65,8 @@ def _values(seed: int = 0) -> torch.Tensor:
 
 
 def _app(model: Path, store: Path, *, checkpoint_every: int = 50, **limits: object):  # type: ignore[no-untyped-def]
-    return create_vendor_app(str(model), store=store, api_keys=KEYS, checkpoint_every=checkpoint_every,
-                             limits=SessionLimits(**limits))  # type: ignore[arg-type]
+    options = VendorOptions(checkpoint_every=checkpoint_every, limits=SessionLimits(**limits))  # type: ignore[arg-type]
+    return create_vendor_app(VendorModel.load(str(model)), store=store, api_keys=KEYS, options=options)
 
 
 def _refused(answer: httpx.Response, *, param: str, code: str) -> None:

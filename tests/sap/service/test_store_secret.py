@@ -20,6 +20,7 @@ import privlm.cli  # registers every command
 import privlm.service
 from privlm.accounting import SecretFileError
 from privlm.cli import app
+from privlm.sap.model import VendorModel
 from privlm.sap.service.server import create_vendor_app
 from privlm.sap.service.wire import SESSIONS_PATH
 from tests.sap.service.conftest import KEYS
@@ -31,7 +32,7 @@ SECRET, CHECK = "principals.secret", "principals.check"
 
 
 def _vendor(model: Path, store: Path | str) -> FastAPI:
-    return create_vendor_app(str(model), store=store, api_keys=KEYS)
+    return create_vendor_app(VendorModel.load(str(model)), store=store, api_keys=KEYS)
 
 
 def _opened(model: Path, store: Path | str) -> str:

@@ -25,8 +25,9 @@ from privlm.sap import (
     split_pretrained,
     to_bytes,
 )
-from privlm.sap.service.client import Client
-from privlm.sap.service.server import create_vendor_app
+from privlm.sap.model import VendorModel
+from privlm.sap.service.client import Client, ClientOptions
+from privlm.sap.service.server import VendorOptions, create_vendor_app
 from privlm.sap.service.wire import SESSIONS_PATH
 from privlm.sap.training import MAX_REWINDS_WITHOUT_PROGRESS
 from privlm.sap.transport import VendorBehindError
@@ -40,7 +41,8 @@ VALIDATION, VALIDATION_LABELS = TEXTS[:4], LABELS[:4]
 
 
 def _app(model: Path, store: Path, **options):  # type: ignore[no-untyped-def]
-    return create_vendor_app(str(model), store=store, splits=(0, 1), api_keys=KEYS, **options)
+    return create_vendor_app(VendorModel.load(str(model), splits=(0, 1)), store=store, api_keys=KEYS,
+                             options=VendorOptions(**options))
 
 
 def _config(**change: object) -> SapConfig:
@@ -271,8 +273,8 @@ def test_killing_the_vendor_process_mid_epoch(vendor_model, tmp_path):
     restarts: list[threading.Timer] = []
     config = _config(epochs=2)
     try:
-        with Client(f"http://127.0.0.1:{port}", config=config, n_classes=2, api_key=KEYS[0], retry_for=120,
-                    cache_dir=tmp_path / "cache") as client:
+        with Client(f"http://127.0.0.1:{port}", config=config, n_classes=2, api_key=KEYS[0],
+                    cache_dir=tmp_path / "cache", options=ClientOptions(retry_for=120)) as client:
             sent, count = client.transport.exchange, 0
 
             def exchange(message):  # type: ignore[no-untyped-def]

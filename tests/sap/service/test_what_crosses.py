@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from privlm.attacks import label_inference_from_logit_gradients
 from privlm.sap import Forward, OutputGradient, SapConfig, Upload, from_bytes
+from privlm.sap.model import VendorModel
 from privlm.sap.service.client import Client
 from privlm.sap.service.server import create_vendor_app
 from privlm.sap.service.wire import SESSIONS_PATH
@@ -64,7 +65,7 @@ def _requests(stream: bytes) -> list[tuple[str, bytes]]:
 
 def _run(vendor_model, tmp_path, head: str) -> tuple[RecordingProxy, Client]:  # type: ignore[no-untyped-def]
     config = SapConfig(blocks=0, eta=50.0, head=head, epochs=1, batch_size=4)  # type: ignore[arg-type]
-    app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
+    app = create_vendor_app(VendorModel.load(str(vendor_model)), store=tmp_path / "store", api_keys=KEYS)
     with serving(app) as served:
         proxy = RecordingProxy(httpx.URL(served).port)
         client = Client(f"http://127.0.0.1:{proxy.port}", config=config, n_classes=2, api_key=KEYS[0],
@@ -128,7 +129,7 @@ def test_with_the_head_at_the_vendor_the_captured_gradients_name_every_label(ven
 
 def test_the_detector_fires_on_a_leaky_client(vendor_model, tmp_path):
     """Negative control: a client that sends the text, its token ids and the labels is caught by every check."""
-    app = create_vendor_app(str(vendor_model), store=tmp_path / "store", api_keys=KEYS)
+    app = create_vendor_app(VendorModel.load(str(vendor_model)), store=tmp_path / "store", api_keys=KEYS)
     with serving(app) as served:
         proxy = RecordingProxy(httpx.URL(served).port)
         url = f"http://127.0.0.1:{proxy.port}{SESSIONS_PATH}"

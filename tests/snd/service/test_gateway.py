@@ -14,11 +14,11 @@ import pytest
 from privlm.accounting import BudgetExhaustedError, Ledger
 from privlm.mechanisms import PrivacyUnit
 from privlm.models import SplitModel
-from privlm.snd import Client
-from privlm.snd.service.gateway import create_gateway
+from privlm.snd import Client, ClientOptions
 from privlm.snd.service.server import create_app
 from tests.models.tiny import tiny_bert_folder, train_tiny_denoiser
 from tests.service.localhost import serving
+from tests.support.gateway import embeddings_app
 
 MODEL = "privlm-snd-model"  # the gateway's id for the tiny_bert model, loaded from a folder named "model"
 
@@ -34,9 +34,9 @@ def stack(tmp_path_factory):
     model = SplitModel.from_pretrained(tiny_bert_folder(root / "model"), device="cpu")
     train_tiny_denoiser(model, root / "snd-tiny")
     with serving(create_app(model, denoiser_dirs=[root / "snd-tiny"])) as server_url:
-        client = Client(server_url, eta=5.0, cache_dir=root / "cache", device="cpu")
-        with (serving(create_gateway(client, api_keys=["local-key"])) as gateway_url,
-              serving(create_gateway(client, truncate=True, max_request_bytes=20_000)) as truncating_url):
+        client = Client(server_url, eta=5.0, device="cpu", cache_dir=root / "cache")
+        with (serving(embeddings_app(client, api_keys=["local-key"])) as gateway_url,
+              serving(embeddings_app(client, truncate=True, max_request_bytes=20_000)) as truncating_url):
             yield Stack(openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="local-key", max_retries=0),
                         truncating_url)
         client.close()
@@ -125,8 +125,8 @@ def test_two_requests_are_in_flight_at_the_same_time(tmp_path):
     model = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "model"), device="cpu")
     upstream = InFlight(create_app(model, denoiser_dirs=[]), delay=1.0)
     with serving(upstream) as server_url:
-        client = Client(server_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu")
-        with serving(create_gateway(client)) as gateway_url:
+        client = Client(server_url, eta=5.0, denoiser=None, device="cpu", cache_dir=tmp_path / "cache")
+        with serving(embeddings_app(client)) as gateway_url:
             def post(text: str) -> int:
                 return httpx.post(f"{gateway_url}/v1/embeddings", json={"model": MODEL, "input": [text]},
                                   timeout=30).status_code
@@ -148,8 +148,9 @@ def test_per_key_budgets_are_spent_before_release_and_survive_a_restart(tmp_path
 
     def gateway_stack(server_url: str):
         ledger = Ledger(ledger_path, budgets={PrivacyUnit.ETA_TOKEN: 2.5 * 5.0 * tokens})  # 2.5 requests' worth
-        client = Client(server_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu", ledger=ledger)
-        return client, create_gateway(client, api_keys=["alice", "bob"])
+        client = Client(server_url, eta=5.0, denoiser=None, device="cpu", cache_dir=tmp_path / "cache",
+                        options=ClientOptions(ledger=ledger))
+        return client, embeddings_app(client, api_keys=["alice", "bob"])
 
     upstream = InFlight(create_app(model, denoiser_dirs=[]), delay=0.0)
     with serving(upstream) as server_url:
@@ -181,7 +182,8 @@ def test_a_refused_release_never_reaches_the_server(tmp_path):
     upstream = InFlight(create_app(model, denoiser_dirs=[]), delay=0.0)
     with serving(upstream) as server_url:
         ledger = Ledger(tmp_path / "ledger.sqlite", budgets={PrivacyUnit.ETA_TOKEN: 1.0})  # less than one token
-        client = Client(server_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu", ledger=ledger)
+        client = Client(server_url, eta=5.0, denoiser=None, device="cpu", cache_dir=tmp_path / "cache",
+                        options=ClientOptions(ledger=ledger))
         with pytest.raises(BudgetExhaustedError):
             client.encode(["the cat sat"])
         client.close()
@@ -194,7 +196,8 @@ def test_client_settings_are_checked_before_anything_is_downloaded():
     for bad in ({"eta": -1.0}, {"eta": float("nan")}, {"eta": 5.0, "dtype": "float64"},
                 {"eta": 5.0, "batch_size": 0}, {"eta": 5.0, "wire_format": "json"}):
         with pytest.raises(ValueError, match=next(k for k in bad if k != "eta" or len(bad) == 1)):
-            Client("http://127.0.0.1:9", transport=transport, **bad)
+            eta = bad.pop("eta")
+            Client("http://127.0.0.1:9", eta=eta, options=ClientOptions(transport=transport, **bad))
     assert requests == []
 
 
@@ -215,9 +218,10 @@ class CountingTokenizer:
 def test_each_request_is_tokenized_once(tmp_path):
     model = SplitModel.from_pretrained(tiny_bert_folder(tmp_path / "model"), device="cpu")
     with serving(create_app(model, denoiser_dirs=[])) as server_url:
-        client = Client(server_url, eta=5.0, denoiser=None, cache_dir=tmp_path / "cache", device="cpu", batch_size=2)
+        client = Client(server_url, eta=5.0, denoiser=None, device="cpu", cache_dir=tmp_path / "cache",
+                        options=ClientOptions(batch_size=2))
         counting = client.model.tokenizer = CountingTokenizer(client.model.tokenizer)
-        with serving(create_gateway(client)) as gateway_url:
+        with serving(embeddings_app(client)) as gateway_url:
             response = httpx.post(f"{gateway_url}/v1/embeddings",
                                   json={"model": MODEL, "input": ["the cat sat", "a dog", "the mat", "a cat ran"]})
         client.close()

@@ -24,13 +24,14 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response, Streamin
 from privlm.models import SplitModel
 from privlm.service import BearerKeys, FairScheduler, RequestRefusedError, RetryPolicy, ServerError, create_service_app
 from privlm.service.bundle import MANIFEST_LIMIT
-from privlm.snd import Client, Encoded, EncodeReport, IncompleteEncodingError, ModelChangedError
+from privlm.settings.gateway import MAX_REQUEST_TOKENS
+from privlm.snd import Client, ClientOptions, Encoded, EncodeReport, IncompleteEncodingError, ModelChangedError
 from privlm.snd.service.bundle import BUNDLE_PATH, is_snd_bundle_file, snd_bundle
-from privlm.snd.service.gateway import MAX_REQUEST_TOKENS, create_gateway
 from privlm.snd.service.server import create_app
 from privlm.wire import MODEL_FINGERPRINT_HEADER, read_rows, write_rows, write_sequences
 from tests.models.tiny import tiny_bert_folder
 from tests.service.localhost import serving
+from tests.support.gateway import embeddings_app
 
 TEXTS = ["the cat sat", "a dog", "the mat", "a cat sat on the mat", "the dog sat", "a mat"]
 MODEL = "privlm-snd-model"  # the gateway's id for a model loaded from a folder named "model"
@@ -89,7 +90,7 @@ def test_finding_1_a_hostile_bundle_cannot_write_outside_the_cache(tiny_bert, tm
     cache = tmp_path / "cache"
     app = hostile_bundle_app(tiny_bert, {"model.json": name})
     with serving(app) as url, pytest.raises(ServerError, match="plain relative name"):
-        Client(url, eta=5.0, cache_dir=cache, device="cpu", denoiser=None)
+        Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=cache)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert all(p.is_relative_to(cache) for p in written)
     assert not Path("/tmp/privlm-escaped.pth").exists()
@@ -98,7 +99,7 @@ def test_finding_1_a_hostile_bundle_cannot_write_outside_the_cache(tiny_bert, tm
 def test_finding_1_a_hostile_denoiser_name_is_refused(tiny_bert, tmp_path):
     with serving(hostile_bundle_app(tiny_bert, {}, denoiser="../../../etc")) as url, \
             pytest.raises(ServerError, match="plain relative name"):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
+        Client(url, eta=5.0, device="cpu", denoiser="auto", cache_dir=tmp_path / "cache")
 
 
 def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny_bert, tmp_path):
@@ -106,7 +107,7 @@ def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny_bert, tmp_p
         manifest["denoisers"] = [{"name": "d", "variant": "snd", "eta_range": "all of them"}]
     with (serving(hostile_bundle_app(tiny_bert, {}, extra=odd_range)) as url,
           pytest.raises(ServerError, match="eta_range")):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser="auto")
+        Client(url, eta=5.0, device="cpu", denoiser="auto", cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("edit", [lambda m: m["model"].pop("weights_fingerprint"), lambda m: m.update(extra=1),
@@ -114,7 +115,7 @@ def test_finding_1_a_malformed_denoiser_offer_is_a_server_error(tiny_bert, tmp_p
 def test_finding_1_a_manifest_that_is_not_an_snd_manifest_is_refused_before_any_file(tiny_bert, tmp_path, edit):
     server = Counting(hostile_bundle_app(tiny_bert, {}, extra=edit))
     with serving(server) as url, pytest.raises(ServerError, match="not a SnDManifest"):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
     assert server.paths == [BUNDLE_PATH]
 
 
@@ -162,7 +163,7 @@ def test_finding_1_a_well_formed_but_unexpected_file_is_refused_before_anything_
         manifest["files"].append({"name": name, "sha256": "0" * 64, "size": 9})
     server = Counting(hostile_bundle_app(tiny_bert, {}, extra=plant))
     with serving(server) as url, pytest.raises(ServerError, match="not a file this kind of bundle holds"):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
     assert server.paths == [BUNDLE_PATH]  # the manifest only: no file was fetched
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
@@ -172,7 +173,7 @@ def test_finding_1_an_endless_bundle_file_is_cut_at_its_declared_size(tiny_bert,
     server = Counting(hostile_bundle_app(tiny_bert, {}), endless=f"{BUNDLE_PATH}/files/embeddings.safetensors")
     started = time.monotonic()
     with serving(server) as url, pytest.raises(ServerError, match=f"limit of {declared} bytes"):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
     assert time.monotonic() - started < 20
     assert server.served <= declared + 4 * Counting.CHUNK  # what it read, one chunk, and a little in flight
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("embeddings.safetensors"))
@@ -181,7 +182,7 @@ def test_finding_1_an_endless_bundle_file_is_cut_at_its_declared_size(tiny_bert,
 def test_finding_1_an_endless_manifest_is_refused_at_its_cap(tiny_bert, tmp_path):
     server = Counting(hostile_bundle_app(tiny_bert, {}), endless=BUNDLE_PATH, head=b'{"files": [')
     with serving(server) as url, pytest.raises(ServerError, match=f"limit of {MANIFEST_LIMIT} bytes"):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
     assert server.served <= MANIFEST_LIMIT + 4 * Counting.CHUNK
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
@@ -208,7 +209,7 @@ def test_finding_2_the_key_never_travels_to_another_origin(tiny_bert, tmp_path):
                 entry["url"] = f"{elsewhere}/steal/{entry['name']}"
         # URLs in the manifest are ignored: files come from the server's own fixed paths
         with serving(hostile_bundle_app(tiny_bert, {}, extra=point_elsewhere)) as url:
-            Client(url, eta=5.0, cache_dir=tmp_path / "a", device="cpu", denoiser=None, api_key="secret-key").close()
+            Client(url, eta=5.0, device="cpu", denoiser=None, api_key="secret-key", cache_dir=tmp_path / "a").close()
         # a redirect to another origin is not followed
         redirecting = FastAPI()
 
@@ -217,7 +218,8 @@ def test_finding_2_the_key_never_travels_to_another_origin(tiny_bert, tmp_path):
             return RedirectResponse(f"{elsewhere}/steal", status_code=307)
 
         with serving(redirecting) as url, pytest.raises(ServerError, match="redirect"):
-            Client(url, eta=5.0, cache_dir=tmp_path / "b", device="cpu", api_key="secret-key", retry_for=2)
+            Client(url, eta=5.0, device="cpu", api_key="secret-key", cache_dir=tmp_path / "b",
+                   options=ClientOptions(retry_for=2))
     assert recorder.requests == []
 
 
@@ -255,7 +257,8 @@ def test_finding_4_a_model_swap_mid_encode_is_refused_and_nothing_mixes(tiny_ber
     upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     swapped = create_app(other_weights(tiny_bert, tmp_path), denoiser_dirs=[])
     with serving(upstream) as url, serving(swapped):
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2)
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache",
+                        options=ClientOptions(batch_size=2))
         reference = client.encode(TEXTS)
         assert np.isfinite(reference).all()
         served = upstream.encodes
@@ -287,7 +290,7 @@ def test_finding_4_every_encode_answer_names_its_weights(tiny_bert):
 def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny_bert, tmp_path, lie):
     upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
 
         async def liar(scope, receive, send) -> None:
             captured: list[dict] = []
@@ -312,7 +315,7 @@ def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny_bert, tmp
         upstream.encode = liar
         with pytest.raises(ServerError):
             client.encode(["the cat sat"])
-        with serving(create_gateway(client)) as gateway:
+        with serving(embeddings_app(client)) as gateway:
             answer = httpx.post(f"{gateway}/v1/embeddings", json={"model": MODEL, "input": ["the cat sat"]})
         client.close()
     assert answer.status_code == 502 and answer.json()["error"]["type"] == "upstream_error", answer.text
@@ -320,8 +323,8 @@ def test_finding_6_a_malformed_upstream_answer_is_a_502_not_a_500(tiny_bert, tmp
 
 def test_finding_6_a_lone_surrogate_is_a_400_not_a_500(tiny_bert, tmp_path):
     with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
-        with serving(create_gateway(client)) as gateway:
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
+        with serving(embeddings_app(client)) as gateway:
             body = b'{"model": "' + MODEL.encode() + b'", "input": ["fine", "bad \\ud800 text"]}'
             answer = httpx.post(f"{gateway}/v1/embeddings", content=body,
                                 headers={"content-type": "application/json"})
@@ -342,8 +345,8 @@ def test_finding_6_huge_finite_inputs_get_a_4xx_never_nan(tiny_bert):
 def test_finding_7_a_request_over_the_token_cap_is_refused(tiny_bert, tmp_path):
     assert MAX_REQUEST_TOKENS == 300_000  # OpenAI's cap, the default
     with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
-        with serving(create_gateway(client, max_request_tokens=40)) as gateway:
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
+        with serving(embeddings_app(client, max_request_tokens=40)) as gateway:
             sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
             assert len(sdk.embeddings.create(model=MODEL, input=["the cat sat"] * 5).data) == 5  # 25 tokens
             with pytest.raises(openai.BadRequestError) as refused:
@@ -418,8 +421,9 @@ def test_finding_7_a_small_request_is_not_held_behind_a_big_one(tiny_bert, tmp_p
     batch queued at the server ahead of bob's: 8 encodes, at least 2 s."""
     delay = 0.25
     with serving(SerialEncodes(create_app(tiny_bert, denoiser_dirs=[]), delay)) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=1)
-        with (serving(create_gateway(client, api_keys=["alice", "bob"], max_concurrent_batches=1)) as gateway,
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache",
+                        options=ClientOptions(batch_size=1))
+        with (serving(embeddings_app(client, api_keys=["alice", "bob"], max_concurrent_batches=1)) as gateway,
               ThreadPoolExecutor(8) as pool):
             big = [pool.submit(timed_post, gateway, "alice", ["the cat sat on the mat"] * 4) for _ in range(8)]
             time.sleep(1.5)
@@ -450,9 +454,9 @@ def test_finding_7_tokenizing_a_big_request_does_not_hold_others(tiny_bert, tmp_
     """Tokenizing alice's 2,048 texts takes 4 s (2 ms a text, one tokenizer); bob's one text, sent meanwhile,
     is tokenized between two of her 64-text turns, so he waits well under a second, not the 4 s."""
     with serving(create_app(tiny_bert, denoiser_dirs=[])) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
         client.model.tokenizer = SlowTokenizer(client.model.tokenizer, per_text=0.002)
-        with serving(create_gateway(client, api_keys=["alice", "bob"])) as gateway, ThreadPoolExecutor(1) as pool:
+        with serving(embeddings_app(client, api_keys=["alice", "bob"])) as gateway, ThreadPoolExecutor(1) as pool:
             big = pool.submit(timed_post, gateway, "alice", ["the cat sat on the mat"] * 2048)
             time.sleep(1.0)
             small_status, small_latency = timed_post(gateway, "bob", ["a dog"])
@@ -503,7 +507,7 @@ def test_finding_8_a_client_started_with_the_server_rides_out_its_cold_start(tmp
     server = subprocess.Popen([sys.executable, "-m", "privlm.cli", "serve", "--port", str(port), "--device", "cpu"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = Client(f"http://127.0.0.1:{port}", eta=50.0, cache_dir=tmp_path, device="cpu")
+        client = Client(f"http://127.0.0.1:{port}", eta=50.0, device="cpu", cache_dir=tmp_path)
         waited = time.monotonic() - started
         vectors = client.encode(["the cat sat on the mat"])
         client.close()
@@ -511,13 +515,14 @@ def test_finding_8_a_client_started_with_the_server_rides_out_its_cold_start(tmp
         stop(server)
     assert vectors.shape == (1, 384) and np.isfinite(vectors).all()
     assert client.retry.failed_attempts >= 1  # it really started before the server answered
-    assert Client.__init__.__kwdefaults__["retry_for"] > waited  # with room to spare over this cold start
+    assert ClientOptions().retry_for > waited  # with room to spare over this cold start
 
 
 def test_finding_8_a_refusal_part_way_keeps_the_finished_batches(tiny_bert, tmp_path):
     upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2)
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache",
+                        options=ClientOptions(batch_size=2))
         served = upstream.encodes
 
         async def keys_rotated_after_two(scope, receive, send) -> None:
@@ -542,8 +547,8 @@ def test_finding_8_a_model_change_says_to_start_again(tiny_bert, tmp_path):
 def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny_bert, tmp_path):
     upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2,
-                        backoff=0.1, retry_for=20)
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache",
+                        options=ClientOptions(batch_size=2, backoff=0.1, retry_for=20))
         upstream.encode = answering(503)
         threading.Timer(1.5, lambda: setattr(upstream, "encode", None)).start()  # back after 1.5 s
         vectors = client.encode(TEXTS)
@@ -554,8 +559,8 @@ def test_finding_8_an_outage_within_the_budget_is_ridden_out(tiny_bert, tmp_path
 def test_finding_8_finished_batches_survive_an_outage_past_the_budget(tiny_bert, tmp_path):
     upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[]))
     with serving(upstream) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None, batch_size=2,
-                        backoff=0.05, retry_for=1.0)
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache",
+                        options=ClientOptions(batch_size=2, backoff=0.05, retry_for=1.0))
         served = upstream.encodes
 
         async def down_after_two(scope, receive, send) -> None:
@@ -605,9 +610,9 @@ def test_finding_8_timeouts_are_resent_only_when_idempotent():
 def gateway(tiny_bert, tmp_path_factory):
     upstream = Upstream(create_app(tiny_bert, denoiser_dirs=[], api_keys=["server-key"]))
     with serving(upstream) as url:
-        client = Client(url, eta=5.0, cache_dir=tmp_path_factory.mktemp("cache"), device="cpu", denoiser=None,
-                        api_key="server-key")
-        with serving(create_gateway(client)) as gateway_url:
+        client = Client(url, eta=5.0, device="cpu", denoiser=None, api_key="server-key",
+                        cache_dir=tmp_path_factory.mktemp("cache"))
+        with serving(embeddings_app(client)) as gateway_url:
             yield gateway_url, upstream
         client.close()
 
@@ -715,9 +720,9 @@ def test_finding_10_health_and_bundle_reveal_no_paths_or_credentials(tiny_bert, 
         manifest = httpx.get(f"{url}{BUNDLE_PATH}").json()
         seen += [httpx.get(f"{url}{BUNDLE_PATH}/files/{f['name']}").content.decode("utf-8", "replace")
                  for f in manifest["files"] if not f["name"].endswith(".safetensors")]
-        client = Client(f"http://operator:hunter2@127.0.0.1:{port}", eta=5.0, cache_dir=tmp_path / "cache",
-                        device="cpu", denoiser=None)
-        with serving(create_gateway(client)) as gateway:
+        client = Client(f"http://operator:hunter2@127.0.0.1:{port}", eta=5.0, device="cpu", denoiser=None,
+                        cache_dir=tmp_path / "cache")
+        with serving(embeddings_app(client)) as gateway:
             health = httpx.get(f"{gateway}/health").text
         client.close()
     assert all(folder not in text and "_name_or_path" not in text for text in seen)
@@ -806,7 +811,7 @@ def test_finding_1_a_bundle_declaring_too_much_is_refused_before_anything_is_fet
         manifest["files"][0]["size"] = 3 * 2**30  # 3 GiB, with a capped stream it would still be held in memory
     counting = Counting(hostile_bundle_app(tiny_bert, {}, extra=huge))
     with serving(counting) as url, pytest.raises(ServerError, match="max_bytes"):
-        Client(url, eta=5.0, cache_dir=tmp_path / "cache", device="cpu", denoiser=None)
+        Client(url, eta=5.0, device="cpu", denoiser=None, cache_dir=tmp_path / "cache")
     assert counting.paths == [BUNDLE_PATH]
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from privlm.snd import Client
+from privlm.snd import Client, ClientOptions
 from privlm.snd.service.server import create_app
 from privlm.wire import RAW, SAFETENSORS
 from tests.service.leaks import id_patterns
@@ -44,8 +44,8 @@ def test_the_detector_sees_a_leaky_request(minilm):
 def test_a_round_trip_carries_no_text_and_no_token_ids(minilm, tmp_path, wire_format):
     with serving(create_app(minilm)) as served:
         proxy = RecordingProxy(httpx.URL(served).port)
-        client = Client(f"http://127.0.0.1:{proxy.port}", eta=50.0, cache_dir=tmp_path, device="cpu",
-                        wire_format=wire_format)
+        client = Client(f"http://127.0.0.1:{proxy.port}", eta=50.0, device="cpu", cache_dir=tmp_path,
+                        options=ClientOptions(wire_format=wire_format))
         proxy.clear()  # the bundle (vocabulary, weights) went server -> client before any user text existed
         client.encode(SECRETS)
         client.close()

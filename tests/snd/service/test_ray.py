@@ -80,21 +80,38 @@ def test_shipped_ray_config_is_valid_and_builds_the_app():
     assert application.import_path == "privlm.snd.service.ray:app_builder"
     deployment = app_builder({**application.args, "api_keys": "a,b"})._bound_deployment
     assert deployment.num_replicas == application.args["replicas"]
-    assert deployment.init_args == ("minilm",) and deployment.init_kwargs["api_keys"] == ("a", "b")
+    [settings] = deployment.init_args
+    assert settings.model == "minilm" and settings.api_keys == ("a", "b")
+    assert settings.max_batch_rows == application.args["max_batch_rows"]
 
 
-@pytest.mark.parametrize("bad", [{"replicas": 0}, {"replica_cpus": 0}, {"replica_cpus": float("nan")}])
+@pytest.mark.parametrize("bad", [{"replicas": 0}, {"replica_cpus": 0}, {"replica_cpus": float("nan")},
+                                 {"replicas": "two"}])
 def test_bad_deployment_sizes_are_refused(bad):
-    from privlm.snd.service.ray import snd_application
+    from privlm.settings.options import SettingError
+    from privlm.snd.service.ray import app_builder
 
-    with pytest.raises(ValueError, match=next(iter(bad))):
-        snd_application("minilm", **bad)
+    with pytest.raises(SettingError, match=f"--{next(iter(bad)).replace('_', '-')}|{next(iter(bad))}"):
+        app_builder({"model": "minilm", **bad})
+
+
+def test_ray_cli_strings_are_read_as_the_fields_types_and_a_config_file_under_them(tmp_path):
+    """``serve run ...:app_builder replicas=4 denoisers=a,b`` gives strings; a ``config`` file gives the rest."""
+    from privlm.snd.service.ray import app_builder
+
+    config = tmp_path / "snd.yaml"
+    config.write_text("model: minilm\nmax_wait_ms: 9\nreplicas: 3\n")
+    deployment = app_builder({"config": str(config), "replicas": "4", "denoisers": "a,b", "docs": "yes"})
+    [settings] = deployment._bound_deployment.init_args
+    assert deployment._bound_deployment.num_replicas == 4
+    assert (settings.max_wait_ms, settings.denoisers, settings.docs) == (9.0, ("a", "b"), True)
 
 
 def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny_bert, tmp_path, monkeypatch):
     """Keys need not sit in Ray's config (which Ray stores): each replica reads the key file and the variable
     on its own node; an explicitly empty source is refused, never an open server."""
     from privlm.service.auth import KeySourceError
+    from privlm.settings.snd import SndServeSettings
     from privlm.snd.service.ray import SnDServer, app_builder
     from tests.service.localhost import serving
 
@@ -102,11 +119,12 @@ def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny_be
     key_file.write_text("# replica keys\nfile-key\n")
     key_file.chmod(0o600)
     deployment = app_builder({"model": "minilm", "api_key_file": str(key_file)})._bound_deployment
-    assert deployment.init_kwargs["api_keys"] == () and deployment.init_kwargs["api_key_file"] == str(key_file)
-    assert deployment.init_kwargs["api_keys_env"] == "PRIVLM_API_KEYS"
+    [settings] = deployment.init_args
+    assert settings.api_keys == () and settings.api_key_file == str(key_file)
+    assert settings.api_keys_env == "PRIVLM_API_KEYS"
     assert "file-key" not in repr((deployment.init_args, deployment.init_kwargs))
     monkeypatch.setenv("PRIVLM_API_KEYS", "env-key")
-    replica = SnDServer(str(tiny_bert.name), api_key_file=str(key_file), api_keys_env="PRIVLM_API_KEYS")
+    replica = SnDServer(SndServeSettings(model=str(tiny_bert.name), api_key_file=str(key_file), device="cpu"))
     with serving(replica.__serve_build_asgi_app__()) as url:
         for key, status in (("file-key", 200), ("env-key", 200), ("other", 401)):
             assert httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {key}"}).status_code == status
@@ -114,7 +132,7 @@ def test_finding_5_ray_replicas_read_keys_from_a_file_or_the_environment(tiny_be
         app_builder({"model": "minilm", "api_keys": ""})
     monkeypatch.setenv("PRIVLM_API_KEYS", "")
     with pytest.raises(KeySourceError, match="PRIVLM_API_KEYS"):
-        SnDServer(str(tiny_bert.name), api_keys_env="PRIVLM_API_KEYS")
+        SnDServer(SndServeSettings(model=str(tiny_bert.name), device="cpu"))
 
 
 def _loopback(address: str) -> bool:

@@ -1,5 +1,6 @@
-"""``POST /v1/chat/completions`` behind Cape: an OpenAI-compatible chat endpoint that perturbs prompts before
-they leave, for any OpenAI-compatible upstream (OpenAI, vLLM, Ollama, llama.cpp, ``privlm serve-llm``).
+"""``POST /v1/chat/completions`` behind a token-level mechanism (Cape by default, any of the registry): an
+OpenAI-compatible chat endpoint that perturbs prompts before they leave, for any OpenAI-compatible upstream (OpenAI,
+vLLM, Ollama, llama.cpp, ``privlm serve-llm``).
 
 One request:
   1. validate it (:class:`~privlm.chat.wire.ChatCompletionRequest`); the epsilon it may lower; its texts to
@@ -24,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Annotated, Any, Unpack
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,13 +36,7 @@ from privlm.chat.extraction import AnswerExtractor, collect_stream
 from privlm.chat.restore import Restorer, StreamRestorer
 from privlm.chat.service.audit import AuditLog
 from privlm.chat.service.memory import ConversationMemory, EarlierRelease, Recalled, release_texts
-from privlm.chat.service.messages import (
-    MessageNames,
-    NonTextParts,
-    TextSlot,
-    perturbed_fields,
-    with_texts,
-)
+from privlm.chat.service.messages import TextSlot, perturbed_fields, with_texts
 from privlm.chat.service.privacy import PrivacyBatcher, PrivateTexts, PromptPrivacy
 from privlm.chat.service.upstream import (
     ChatUpstream,
@@ -63,11 +58,10 @@ from privlm.chat.wire import (
     sse_event,
 )
 from privlm.models.perturbation import Accounting
-from privlm.service import BearerKeys, ModelEntry, ServiceError, ServiceOptions, catalog_router
-from privlm.service import create_service_app as _create_service_app
+from privlm.service import BearerKeys, ServiceError
 from privlm.service.errors import ledger_unavailable
+from privlm.settings.chat import ChatOptions
 
-MAX_REQUEST_BYTES = 4 * 2**20
 MAX_CHOICES = 128  # OpenAI's own limit on n
 MAX_REMEMBERED_CHOICES = 16  # per answer: the first choices (by index, below n) are kept by conversation memory
 UPSTREAM_PATH = "chat/completions"
@@ -89,25 +83,6 @@ class PrivlmOptions(BaseModel):
 class PrivateChatRequest(ChatCompletionRequest):
     n: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES, description=f"Choices to generate (at most {MAX_CHOICES}).")
     privlm: PrivlmOptions | None = None
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """``perturb_system``: also perturb system and developer messages. ``non_text_parts``: refuse (400) or pass
-    through unchanged the non-text parts of perturbed messages. ``report_in_body``: the ``privlm`` body field
-    on every answer (else only when a request asks for it). ``message_names``: the ``name`` of a perturbed
-    message is dropped (and reported), perturbed like its text, or refused (400). ``perturb_tool_results``: also
-    tool results and tool-call arguments, JSON-aware (:mod:`privlm.chat.service.messages`). ``restore``: restore
-    answers unless a request says otherwise (:mod:`privlm.chat.restore`); only such a gateway restores at
-    all, and it handles every request's history as a restoring one (a request's ``restore: false`` leaves its own
-    answer unrestored, nothing more), so that no restored answer can go back upstream as it is."""
-
-    perturb_system: bool = False
-    non_text_parts: NonTextParts = "refuse"
-    report_in_body: bool = False
-    message_names: MessageNames = "drop"
-    perturb_tool_results: bool = False
-    restore: bool = False
 
 
 def _header(description: str) -> dict[str, object]:
@@ -314,70 +289,91 @@ def _whole_answer(request: ChatCompletionRequest, slot: TextSlot) -> bool:
     return slot.part is None or (isinstance(content, list) and len(content) == 1)
 
 
-def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerKeys,
-                options: ChatOptions = ChatOptions(), audit: AuditLog | None = None,
-                extractor: AnswerExtractor | None = None, memory: ConversationMemory | None = None,
-                batcher: PrivacyBatcher | None = None) -> APIRouter:
+class ChatCompletionsRoutes:
     """The private ``POST /v1/chat/completions`` (see the module doc); ``memory``: conversation memory
     (:mod:`privlm.chat.service.memory`), None for none; ``batcher``: the device model's batches, shared with the
-    app's other routes that perturb (default: this route's own)."""
-    auth = auth.charging(privacy.ledger)  # callers named as the ledger names them, in the audit log too
-    router = APIRouter(tags=["chat"])
-    perturbing = batcher or privacy.batched()  # concurrent requests share forward passes, callers taking turns
+    app's other routes that perturb (default: this route's own). :meth:`router` mounts it."""
 
-    # With extraction, or on a gateway that restores (whatever one request asks), an assistant text of the history
-    # may hold the user's words: it is perturbed, unless memory knows it as an answer the gateway returned (then it
-    # goes up as the upstream wrote it). Without either, every answer returned was the upstream's own words.
-    perturb_assistant = extractor is not None or options.restore
-    keep_answers = options.restore and extractor is None
+    def __init__(self, privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerKeys,
+                 options: ChatOptions | None = None, audit: AuditLog | None = None,
+                 extractor: AnswerExtractor | None = None, memory: ConversationMemory | None = None,
+                 batcher: PrivacyBatcher | None = None) -> None:
+        options = options or ChatOptions()
+        self.privacy, self.upstream, self.options = privacy, upstream, options
+        self.audit, self.extractor, self.memory = audit, extractor, memory
+        self.auth = auth.charging(privacy.ledger)  # callers named as the ledger names them, in the audit log too
+        self.perturbing = batcher or privacy.batched()  # concurrent requests share forward passes, callers take turns
+        # With extraction, or on a gateway that restores (whatever one request asks), an assistant text of the
+        # history may hold the user's words: it is perturbed, unless memory knows it as an answer the gateway
+        # returned (then it goes up as the upstream wrote it). Without either, every answer returned was the
+        # upstream's own words.
+        self.perturb_assistant = extractor is not None or options.restore
+        self.keep_answers = options.restore and extractor is None
 
-    async def privatize(request: PrivateChatRequest, principal: str, header_epsilon: Sequence[str]) -> Release:
-        epsilon = _request_epsilon(privacy, request, header_epsilon)
+    def router(self) -> APIRouter:
+        """The route; its principal is this app's (``auth``), a dependency no method signature could name."""
+        async def chat_completions(request: PrivateChatRequest, principal: str = Depends(self.auth.dependency),
+                                   x_privlm_epsilon: Annotated[list[str] | None, Header()] = None) -> Response:
+            return await self.create(request, principal, x_privlm_epsilon or [])
+
+        router = APIRouter(tags=["chat"])
+        router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], response_class=JSONResponse,
+                             responses={200: {"model": ChatCompletion, "headers": PRIVACY_HEADERS,
+                                              "description": "The upstream's answer (JSON, or with stream: SSE "
+                                                             "chunks)",
+                                              "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}})
+        return router
+
+    async def privatize(self, request: PrivateChatRequest, principal: str, header_epsilon: Sequence[str]
+                        ) -> Release:
+        epsilon = _request_epsilon(self.privacy, request, header_epsilon)
+        options = self.options
         fields = perturbed_fields(request, perturb_system=options.perturb_system,
-                                  perturb_assistant=perturb_assistant, non_text_parts=options.non_text_parts,
+                                  perturb_assistant=self.perturb_assistant, non_text_parts=options.non_text_parts,
                                   message_names=options.message_names,
                                   perturb_tool_results=options.perturb_tool_results)
-        caller = auth.fair_caller(principal)
+        caller = self.auth.fair_caller(principal)
 
         async def perturb(texts: list[str]) -> PrivateTexts:
-            return await perturbing.privatize(texts, principal=principal, epsilon=epsilon, caller=caller)
+            return await self.perturbing.privatize(texts, principal=principal, epsilon=epsilon, caller=caller)
 
-        recalled = await release_texts(memory, principal, fields.texts, perturb, check=privacy.check_lengths,
+        recalled = await release_texts(self.memory, principal, fields.texts, perturb, check=self.privacy.check_lengths,
                                        whole_answers=[_whole_answer(request, slot) for slot in fields.slots])
         return Release(recalled, fields.slots, list(fields.texts), list(fields.dropped))
 
-    async def chat_completions(request: PrivateChatRequest, principal: str = Depends(auth.dependency),
-                               x_privlm_epsilon: Annotated[list[str] | None, Header()] = None) -> Response:
-        restoring = _restoring(request, options) and extractor is None
-        release = await privatize(request, principal, x_privlm_epsilon or [])
-        call = _Call(request, principal, release, report_in_body=options.report_in_body, restore=restoring,
-                     keep_answers=keep_answers, memory=memory)
+    async def create(self, request: PrivateChatRequest, principal: str, header_epsilon: Sequence[str]) -> Response:
+        """One request: perturbed, audited, forwarded; the upstream's answer with the privacy report."""
+        restoring = _restoring(request, self.options) and self.extractor is None
+        release = await self.privatize(request, principal, header_epsilon)
+        call = _Call(request, principal, release, report_in_body=self.options.report_in_body, restore=restoring,
+                     keep_answers=self.keep_answers, memory=self.memory)
+        audit = self.audit
         try:
             if audit is not None:
                 await asyncio.to_thread(audit.write, "released", audit_record(
                     call.result, call.slots, call.id, principal, request.model, bool(request.stream), call.dropped,
                     release.remembered))
         except Exception as error:  # an unrecorded release is not sent: nothing crossed
-            raise await failed_after_release(call, error, nothing_sent=True) from None
+            raise await self.failed_after_release(call, error, nothing_sent=True) from None
         try:
             if request.stream:
-                return await _stream(upstream, call, extractor, audit)
-            answer = await upstream.post(UPSTREAM_PATH, call.body())
+                return await _stream(self.upstream, call, self.extractor, audit)
+            answer = await self.upstream.post(UPSTREAM_PATH, call.body())
             await call.remember_release()
             await asyncio.to_thread(_audit_upstream, audit, call, answer.status)
-            return await _complete(answer, call, extractor)
+            return await _complete(answer, call, self.extractor)
         except Exception as error:  # charged already, whatever failed: see failed_after_release
-            raise await failed_after_release(call, error, nothing_sent=isinstance(error, NothingSentError)
-                                             ) from None
+            raise await self.failed_after_release(call, error, nothing_sent=isinstance(error, NothingSentError)
+                                                  ) from None
 
-    async def failed_after_release(call: _Call, error: Exception, *, nothing_sent: bool) -> ServiceError:
+    async def failed_after_release(self, call: _Call, error: Exception, *, nothing_sent: bool) -> ServiceError:
         """The answer to any failure once the caller was charged: the release refunded when it provably never
         left this machine; the report in the headers; no retry by OpenAI's SDKs unless refunded (a retry is a
         new release and a new charge); audited when the log can be written. Never the text."""
         if nothing_sent:
             try:
-                call.refunded(await asyncio.to_thread(privacy.refund, call.result, principal=call.principal),
-                              charged=privacy.ledger is not None)
+                call.refunded(await asyncio.to_thread(self.privacy.refund, call.result, principal=call.principal),
+                              charged=self.privacy.ledger is not None)
             except Exception as refund_error:  # the charge stands: the safe side; the answer then says not to retry
                 logger.warning("request %s: the refund could not be recorded (%s)", call.id,
                                type(refund_error).__name__)
@@ -389,19 +385,12 @@ def chat_router(privacy: PromptPrivacy, upstream: ChatUpstream, *, auth: BearerK
             failure = ServiceError(500, f"the gateway failed after the release ({type(error).__name__})",
                                    type="server_error", code="failed_after_release")
         try:
-            await asyncio.to_thread(_audit_upstream, audit, call, failure.status, failure.detail.code)
+            await asyncio.to_thread(_audit_upstream, self.audit, call, failure.status, failure.detail.code)
         except Exception as audit_error:  # logged by type only: an exception's message may quote the text
             logger.warning("request %s: the audit log could not record its failure (%s)", call.id,
                            type(audit_error).__name__)
         failure.headers = {**(failure.headers or {}), **call.failure_headers()}
         return failure
-
-    router.post("/v1/chat/completions", response_class=JSONResponse,
-                responses={200: {"model": ChatCompletion, "headers": PRIVACY_HEADERS,
-                                 "description": "The upstream's answer (JSON, or with stream: SSE chunks)",
-                                 "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}}
-                )(chat_completions)
-    return router
 
 
 def _restoring(request: PrivateChatRequest, options: ChatOptions) -> bool:
@@ -673,23 +662,6 @@ async def _extracted_events(answer: UpstreamStream, call: _Call, extractor: Answ
             {"id": chunk_id, "created": created, "model": model,
              "choices": [{"index": index, "delta": {}, "finish_reason": "stop"}]}))
     yield SSE_DONE
-
-
-def create_chat_gateway(privacy: PromptPrivacy, upstream: ChatUpstream, *, chat_models: Sequence[str] = (),
-                        api_keys: Sequence[str] = (), options: ChatOptions = ChatOptions(),
-                        audit: AuditLog | None = None, extractor: AnswerExtractor | None = None,
-                        memory: ConversationMemory | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-                        **service: Unpack[ServiceOptions]) -> FastAPI:
-    """A gateway with only the private chat endpoint (``privlm gateway`` composes it with the others)."""
-    auth = BearerKeys(api_keys)
-    offered = [ModelEntry(id=name, owned_by="upstream") for name in chat_models]
-    routers = [chat_router(privacy, upstream, auth=auth, options=options, audit=audit, extractor=extractor,
-                           memory=memory),
-               catalog_router(offered)]
-    return _create_service_app(title="privlm gateway (OpenAI-compatible private chat)", routers=routers, auth=auth,
-                               max_request_bytes=max_request_bytes, lifespan=closing_upstream(upstream),
-                               health=lambda: {"mechanism": privacy.mechanism, "epsilon": privacy.epsilon},
-                               **service)
 
 
 def closing_upstream(upstream: ChatUpstream) -> Any:

@@ -1,9 +1,11 @@
-"""Cape as a LiteLLM guardrail: LiteLLM's Generic Guardrail API, ``POST /beta/litellm_basic_guardrail_api``.
+"""The privacy step as a LiteLLM guardrail: LiteLLM's Generic Guardrail API,
+``POST /beta/litellm_basic_guardrail_api``.
 
 LiteLLM (its ``generic_guardrail_api`` hook, with ``mode: pre_call``) sends each request's texts here before it
-calls the model; this service perturbs them with Cape and answers with the perturbed texts, which LiteLLM puts
-back in place of the originals, one for one, in order. LiteLLM is not imported: the models below follow its
-contract (``litellm/types/proxy/guardrails/guardrail_hooks/generic_guardrail_api.py`` and the page
+calls the model; this service perturbs them with the gateway's mechanism (Cape by default; any of the registry) and
+answers with the perturbed texts, which LiteLLM puts back in place of the originals, one for one, in order. LiteLLM
+is not imported: the models below follow its contract
+(``litellm/types/proxy/guardrails/guardrail_hooks/generic_guardrail_api.py`` and the page
 https://docs.litellm.ai/docs/adding_provider/generic_guardrail_api).
 
 What LiteLLM sends, and what this endpoint does with it:
@@ -15,7 +17,7 @@ What LiteLLM sends, and what this endpoint does with it:
   - ``input_type``: ``"request"`` is perturbed; ``"response"`` (the model's answer, in ``post_call`` mode) is
     not the user's prompt, and perturbing it would protect nothing of theirs: it is answered ``NONE``, free.
   - ``request_data``: the caller's ids. The budget is charged to ``"litellm-key:" + user_api_key_hash`` *and*
-    ``"litellm-end-user:" + user_api_key_end_user_id`` together (``charge_to="key-and-end-user"``, the default: a
+    ``"litellm-end-user:" + user_api_key_end_user_id`` together (``guardrail_charge="key-and-end-user"``, the default: a
     joint principal, both charged in one transaction, only if both have budget left), to the key alone
     (``"key"``) or to the end user alone (``"end-user"``: any key holder can name a new end user and so mint a
     fresh budget). A request without an id it needs is BLOCKED when there is a ledger (it is never charged to a
@@ -27,32 +29,32 @@ What LiteLLM sends, and what this endpoint does with it:
     each may lower the epsilon per token, never raise it; the smallest applies (a header's values joined as
     ``"6, 1"`` count one by one). The client's dynamic guardrail
     params (``extra_body``) never reach a pre-call guardrail in 1.108.7 (docs/litellm.md).
-  - ``images``: Cape perturbs text only. ``images="block"`` (default) blocks a request with images;
-    ``images="pass"`` lets them through unchanged (they reach the model as they are).
+  - ``images``: the mechanisms perturb text only. ``guardrail_images="block"`` (default) blocks a request with images;
+    ``guardrail_images="pass"`` lets them through unchanged (they reach the model as they are).
 
 Fail closed. LiteLLM blocks the request when a guardrail answers an HTTP error, unless its config says
-``unreachable_fallback: fail_open`` (network errors, timeouts and HTTP 503 then let the ORIGINAL request
-through) or ``fail_on_error: false`` (any error does). So every failure that concerns a valid request is
-answered ``200`` with ``action: BLOCKED`` and a ``blocked_reason`` naming the cause (and, for a budget, what
-is left), never the text: budget exhausted, privacy step failed, images, over-long texts, an epsilon above
-the limit, a missing id, an audit log that cannot be written, or any unexpected error. So is every JSON object
-that does not hold a valid request (no ``request_data`` or ``request_data: null``, no or another ``input_type``,
-``texts`` that are not strings, a field of the wrong type): the reason names the fields, never their values;
-and every body that is not a JSON object at all (invalid JSON, nested too deep to parse, an array, ``null``): the
-route reads its body itself, so that FastAPI's 400 never answers it. So are the scaffolding's refusals of a
-request it cannot take now or at all: the route full, too many open connections, a body too large or too slow
-(:data:`REFUSAL_ANSWERS`). The route has in-flight places of its own (:func:`guardrail_lanes`,
-``guardrail_max_in_flight``), apart from the service's ``max_in_flight`` and its per-caller quarter: a burst from
-LiteLLM, one caller, queues for the device model up to that bound, and only beyond it is BLOCKED. And so is a
-request whose answer is not ready ``deadline`` seconds (:data:`GUARDRAIL_DEADLINE`) after its body arrived, queue
-wait included: by then LiteLLM may have given up on it (its own timeout; with ``fail_open`` it then forwards the
-original). No charge of it stands: the deadline is checked before the request is handed to the device model
-(nothing charged), and a release it overtakes (waiting for a batch, or in one) is seen through and its charge given
-back, as is one charged in time but done, or audited, after the deadline; the audit log says which (a refund the
-ledger cannot record leaves the charge standing: ``refunded`` is then null). Nothing but the answer follows the last
-check: the memory write runs in the background, and a later request of the same principal waits for it. Only a
-missing or wrong key (401) and a wrong ``Host`` get an error status (OpenAI's shape): with ``fail_on_error: false``
-LiteLLM lets the original through on those, so keep LiteLLM's default.
+``unreachable_fallback: fail_open`` (network errors, timeouts and HTTP 503 then let the ORIGINAL request through) or
+``fail_on_error: false`` (any error does). So every failure that concerns a valid request is answered ``200`` with
+``action: BLOCKED`` and a ``blocked_reason`` naming the cause (and, for a budget, what is left), never the text:
+budget exhausted, privacy step failed, images, over-long texts, an epsilon above the limit, a missing id, an audit
+log that cannot be written, or any unexpected error. So is every JSON object that does not hold a valid request (no
+``request_data`` or ``request_data: null``, no or another ``input_type``, ``texts`` that are not strings, a field of
+the wrong type): the reason names the fields, never their values; and every body that is not a JSON object at all
+(invalid JSON, nested too deep to parse, an array, ``null``): the route reads its body itself, so that FastAPI's 400
+never answers it. So are the scaffolding's refusals of a request it cannot take now or at all: the route full, too
+many open connections, a body too large or too slow (:data:`REFUSAL_ANSWERS`). The route has in-flight places of its
+own (:func:`guardrail_lanes`, ``guardrail_max_in_flight``), apart from the service's ``max_in_flight`` and its
+per-caller quarter: a burst from LiteLLM, one caller, queues for the device model up to that bound, and only beyond
+it is BLOCKED. And so is a request whose answer is not ready ``guardrail_deadline`` seconds (300 by default: below
+LiteLLM 1.108.7's default guardrail timeout, 600 s) after its body arrived, queue wait included: by then LiteLLM may
+have given up on it (its own timeout; with ``fail_open`` it then forwards the original). No charge of it stands: the
+deadline is checked before the request is handed to the device model (nothing charged), and a release it overtakes
+(waiting for a batch, or in one) is seen through and its charge given back, as is one charged in time but done, or
+audited, after the deadline; the audit log says which (a refund the ledger cannot record leaves the charge standing:
+``refunded`` is then null). Nothing but the answer follows the last check: the memory write runs in the background,
+and a later request of the same principal waits for it. Only a missing or wrong key (401) and a wrong ``Host`` get
+an error status (OpenAI's shape): with ``fail_on_error: false`` LiteLLM lets the original through on those, so keep
+LiteLLM's default.
 
 The route has no auth of its own: the app it is mounted in guards it (``Authorization: Bearer`` or
 ``x-api-key``, where LiteLLM sends its ``api_key`` setting; docs/litellm.md).
@@ -65,43 +67,33 @@ import json
 import logging
 import uuid
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any, Literal, Unpack
+from typing import Any, Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from privlm._validation import check_positive_finite
 from privlm.accounting import BudgetExhaustedError, joint_principal
 from privlm.chat.service.audit import AuditLog
 from privlm.chat.service.completions import privacy_headers
 from privlm.chat.service.memory import ConversationMemory, EarlierRelease, release_texts
 from privlm.chat.service.privacy import PrivacyBatcher, PrivateTexts, PromptPrivacy
-from privlm.service import BearerKeys, ServiceError, ServiceOptions, create_service_app
+from privlm.service import ServiceError
 from privlm.service.app import field_path
 from privlm.service.limits import MAX_IN_FLIGHT, Lane
+from privlm.settings.chat import ChargeTo, ChatOptions, ImagePolicy
 
 logger = logging.getLogger(__name__)
 GUARDRAIL_PATH = "/beta/litellm_basic_guardrail_api"
-MAX_REQUEST_BYTES = 16 * 2**20  # base64 images count too (they are then blocked or passed, never read)
 KEY_PREFIX = "litellm-key:"
 END_USER_PREFIX = "litellm-end-user:"
 UNIDENTIFIED = "litellm-unidentified"  # only without a ledger: nothing is charged to it
 EPSILON_PARAM = "additional_provider_specific_params.epsilon"
 EPSILON_HEADER = "x-privlm-epsilon"  # the chat gateway's header; LiteLLM forwards it if extra_headers names it
 LITELLM_HIDDEN_VALUE = "[present]"  # what LiteLLM sends in request_headers for a header it does not forward
-GUARDRAIL_MAX_IN_FLIGHT = MAX_IN_FLIGHT  # the route's own places: all of them LiteLLM's, none of the other routes'
-# Seconds from the body's arrival to the answer, queue included; then BLOCKED, uncharged. Below LiteLLM 1.108.7's
-# default guardrail timeout, 600 s (its HTTP client's, with `timeout` and `request_timeout` unset), so that privlm
-# answers before LiteLLM gives up (and, set to fail open, forwards the original).
-GUARDRAIL_DEADLINE = 300.0
-
-ChargeTo = Literal["key-and-end-user", "key", "end-user"]
-CHARGE_TO: tuple[ChargeTo, ...] = ("key-and-end-user", "key", "end-user")
 _KEY_ID = ("user_api_key_hash", KEY_PREFIX, "virtual key")
 _END_USER_ID = ("user_api_key_end_user_id", END_USER_PREFIX, "end user (the request's `user` field)")
 _CHARGED_IDS = {"key-and-end-user": (_KEY_ID, _END_USER_ID), "key": (_KEY_ID,), "end-user": (_END_USER_ID,)}
-ImagePolicy = Literal["block", "pass"]
 Action = Literal["NONE", "GUARDRAIL_INTERVENED", "BLOCKED"]
 
 
@@ -299,52 +291,43 @@ _BODY_DOCUMENT = {"requestBody": {"required": False, "description": _BODY_DESCRI
                                   "content": {"application/json": {"schema": {}}}}}
 
 
-def guardrail_lanes(max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT) -> dict[str, Lane]:
+def guardrail_lanes(max_in_flight: int = MAX_IN_FLIGHT) -> dict[str, Lane]:
     """The route's own in-flight places (:class:`~privlm.service.limits.Lane`), for the app that serves it: LiteLLM
     is one caller, so the service's per-caller quarter would refuse most of a burst that could have queued."""
     return {GUARDRAIL_PATH: Lane(max_in_flight, param="guardrail_max_in_flight")}
 
 
-def guardrail_router(privacy: PromptPrivacy, *, charge_to: ChargeTo = "key-and-end-user",
-                     audit: AuditLog | None = None, images: ImagePolicy = "block",
-                     memory: ConversationMemory | None = None, batcher: PrivacyBatcher | None = None,
-                     deadline: float = GUARDRAIL_DEADLINE) -> APIRouter:
-    """``POST /beta/litellm_basic_guardrail_api`` (see the module doc); mount it behind the app's keys, with
-    :data:`REFUSAL_ANSWERS` and :func:`guardrail_lanes`. ``memory``: conversation memory (a text released before
-    for the same principal is sent as it was, free: LiteLLM sends the whole history every turn). ``deadline``:
-    seconds from the body's arrival by which the privacy step must be done, queue wait included, else BLOCKED and
-    uncharged; keep it below LiteLLM's guardrail timeout."""
-    if charge_to not in CHARGE_TO:
-        raise ValueError(f"charge_to must be one of {', '.join(CHARGE_TO)}; got {charge_to!r}")
-    if images not in ("block", "pass"):
-        raise ValueError(f"images must be 'block' or 'pass', got {images!r}")
-    deadline = check_positive_finite("guardrail_deadline", deadline)
-    route = _GuardrailRoute(privacy, charge_to=charge_to, audit=audit, images=images, memory=memory,
-                            perturbing=batcher or privacy.batched(), deadline=deadline)
-    router = APIRouter(tags=["litellm"])
-    router.post(GUARDRAIL_PATH, response_model=GuardrailResponse, response_model_exclude_none=True,
-                summary="LiteLLM's Generic Guardrail API: perturb a request's texts with Cape",
-                openapi_extra=_BODY_DOCUMENT,
-                responses={200: {"description": "NONE, GUARDRAIL_INTERVENED with the perturbed texts, or BLOCKED "
-                                                "with the reason (every failure: fail closed)"}})(route.guardrail)
-    return router
+class GuardrailRoutes:
+    """``POST /beta/litellm_basic_guardrail_api`` (see the module doc): its steps and the state its requests share.
+    Mount :meth:`router` behind the app's keys, with :data:`REFUSAL_ANSWERS` and :func:`guardrail_lanes`.
+    ``memory``: conversation memory (a text released before for the same principal is sent as it was, free: LiteLLM
+    sends the whole history every turn). ``batcher``: the device model's batches, shared with the app's chat route
+    (default: this route's own). ``options``: whom it charges, what it does with images, and its deadline (seconds
+    from the body's arrival by which the privacy step must be done, queue wait included, else BLOCKED and
+    uncharged; keep it below LiteLLM's guardrail timeout)."""
 
-
-
-
-class _GuardrailRoute:
-    """The guardrail route's steps and the state its requests share (:func:`guardrail_router`)."""
-
-    def __init__(self, privacy: PromptPrivacy, *, charge_to: ChargeTo, audit: AuditLog | None,
-                 images: ImagePolicy, memory: ConversationMemory | None, perturbing: PrivacyBatcher,
-                 deadline: float) -> None:
-        self.privacy, self.charge_to, self.audit, self.images = privacy, charge_to, audit, images
-        self.memory, self.deadline = memory, deadline
-        self.perturbing = perturbing  # shared with the app's chat route, if any: one device model
+    def __init__(self, privacy: PromptPrivacy, *, options: ChatOptions | None = None, audit: AuditLog | None = None,
+                 memory: ConversationMemory | None = None, batcher: PrivacyBatcher | None = None) -> None:
+        options = options or ChatOptions(guardrail=True)  # its values checked when made
+        self.charge_to, self.images, self.deadline = (options.guardrail_charge, options.guardrail_images,
+                                                      options.guardrail_deadline)
+        self.privacy, self.audit, self.memory = privacy, audit, memory
+        self.perturbing = batcher or privacy.batched()  # shared with the app's chat route, if any: one device model
         # Work that outlives its request (an overtaken release given back, a memory write after the answer): held
         # here until it finishes, since the loop keeps only weak references to tasks.
         self.background: set[asyncio.Task[None]] = set()
         self.writing: dict[str, set[asyncio.Task[None]]] = {}  # memory writes still running, by memory principal
+
+    def router(self) -> APIRouter:
+        router = APIRouter(tags=["litellm"])
+        router.add_api_route(GUARDRAIL_PATH, self.guardrail, methods=["POST"], response_model=GuardrailResponse,
+                             response_model_exclude_none=True,
+                             summary="LiteLLM's Generic Guardrail API: perturb a request's texts with Cape",
+                             openapi_extra=_BODY_DOCUMENT,
+                             responses={200: {"description": "NONE, GUARDRAIL_INTERVENED with the perturbed texts, "
+                                                             "or BLOCKED with the reason (every failure: fail "
+                                                             "closed)"}})
+        return router
 
     def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
@@ -409,7 +392,7 @@ class _GuardrailRoute:
     def remember_after_answer(self, kept: ConversationMemory, principal: str,
                               new: Sequence[tuple[str, EarlierRelease]]) -> None:
         """Keep releases in the background, so that a slow write cannot hold the answer past the deadline; a later
-        request of the same principal waits for the write (:func:`written`), so that it still finds them."""
+        request of the same principal waits for the write (:meth:`written`), so that it still finds them."""
         writes = self.writing.setdefault(principal, set())
         task = self.in_background(self.remember(kept, principal, new))
         writes.add(task)
@@ -501,25 +484,3 @@ class _GuardrailRoute:
         await self.record("blocked", {**ids, "action": "BLOCKED", "blocked_reason": reason, **audited})
         return _answer(GuardrailResponse(action="BLOCKED", blocked_reason=reason),
                        {**headers, "x-privlm-request-id": request_id})
-
-
-def create_guardrail_app(privacy: PromptPrivacy, *, api_keys: Sequence[str] = (),
-                         charge_to: ChargeTo = "key-and-end-user", audit: AuditLog | None = None,
-                         images: ImagePolicy = "block", max_request_bytes: int = MAX_REQUEST_BYTES,
-                         guardrail_max_in_flight: int = GUARDRAIL_MAX_IN_FLIGHT,
-                         guardrail_deadline: float = GUARDRAIL_DEADLINE,
-                         memory: ConversationMemory | None = None, **service: Unpack[ServiceOptions]) -> FastAPI:
-    """A service with only the guardrail endpoint (and ``/health``, ``/metrics``), behind ``api_keys``; at most
-    ``guardrail_max_in_flight`` guardrail requests in flight (queued for the device model), more are BLOCKED; one not
-    done ``guardrail_deadline`` seconds after its body arrived is BLOCKED, uncharged."""
-    auth = BearerKeys(api_keys)
-    router = guardrail_router(privacy, charge_to=charge_to, audit=audit, images=images, memory=memory,
-                              deadline=guardrail_deadline)
-    return create_service_app(title="privlm LiteLLM guardrail (Cape)", routers=[router], auth=auth,
-                              max_request_bytes=max_request_bytes, refusal_answers=REFUSAL_ANSWERS,
-                              lanes=guardrail_lanes(guardrail_max_in_flight),
-                              health=lambda: {"mechanism": privacy.mechanism, "epsilon": privacy.epsilon,
-                                              "charge_to": charge_to, "images": images,
-                                              "guardrail_max_in_flight": guardrail_max_in_flight,
-                                              "guardrail_deadline": guardrail_deadline},
-                              **service)

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.accounting import DatabaseUnavailableError
 from privlm.accounting.database import Database, SqliteDatabase, open_database
 from privlm.accounting.principals import PrincipalHasher, secret_path_of
@@ -52,13 +51,15 @@ from privlm.chat.restore import ReplacedSpan, replaced_spans
 from privlm.chat.service.privacy import PrivateTexts
 from privlm.models.perturbation import PromptReport
 from privlm.service import ServiceError
+from privlm.settings.chat import MEMORY_DAYS, MEMORY_MAX_ENTRIES, MEMORY_MAX_MIB
+from privlm.validation import check_positive_finite, check_positive_int
 
 logger = logging.getLogger(__name__)
 MAX_ENTRIES = 1_000_000  # the whole store: the disk's bound
-MAX_PRINCIPAL_ENTRIES = 10_000
-MAX_PRINCIPAL_BYTES = 32 * 2**20
+MAX_PRINCIPAL_ENTRIES = MEMORY_MAX_ENTRIES
+MAX_PRINCIPAL_BYTES = int(MEMORY_MAX_MIB * 2**20)
 MAX_ENTRY_BYTES = 2**20  # far above the longest text a request may perturb (8,192 tokens)
-TTL_SECONDS = 30 * 86_400.0
+TTL_SECONDS = MEMORY_DAYS * 86_400.0
 EntryKind = Literal["release", "answer"]
 
 # Before round 3 a table `memory` held releases and answers under one key: its entries cannot tell them apart, so

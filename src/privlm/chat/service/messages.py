@@ -38,14 +38,12 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn
 
 from privlm.chat.wire import ChatCompletionRequest, ChatMessage, TextPart
 from privlm.service import ServiceError
+from privlm.settings.chat import MessageNames, NonTextParts
 
-NonTextParts = Literal["refuse", "pass"]
-MessageNames = Literal["drop", "perturb", "refuse"]
-MESSAGE_NAMES: tuple[MessageNames, ...] = get_args(MessageNames)
 SYSTEM_ROLES = frozenset({"system", "developer"})
 # Provider prompt-cache markers: settings, not text, so each must be null or exactly its provider's documented form
 # (its keys, and the values each may take; "ttl" may be left out), else it could carry any text across: Anthropic's

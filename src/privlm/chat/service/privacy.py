@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from privlm._validation import check_positive_int
 from privlm.accounting import BudgetExhaustedError, DatabaseUnavailableError, Ledger
 from privlm.mechanisms import PrivacyUnit, Spend, make_generator
 from privlm.models.device import resolve_device
@@ -42,12 +41,13 @@ from privlm.models.perturbation import Accounting, PerturbedPrompt, PromptReport
 from privlm.models.text_mechanisms import CalibratedBound, MechanismContext, check_epsilon, text_mechanism
 from privlm.service import ServiceError
 from privlm.service.batching import Batcher
+from privlm.settings.chat import MAX_PROMPT_TOKENS
+from privlm.validation import check_positive_int
 
 PerturberFactory = Callable[[float, torch.Generator, Ledger | None, str], TextPerturber]
 """``(epsilon, generator, ledger, principal)`` -> a fresh perturber that charges ``ledger`` under ``principal``."""
 
 PRIVLM, PAPER = Accounting.PRIVLM, Accounting.PAPER  # the sound accounting's key in a report, the paper's
-MAX_PROMPT_TOKENS = 8192
 BATCH_TEXTS = 16  # texts per shared batch: Cape's own batch, one forward pass
 BATCH_WAIT_MS = 100.0  # the longest a batch waits for the requests it expects (service.batching)
 
@@ -149,15 +149,16 @@ class PromptPrivacy:
            logit_bound: CalibratedBound | float | None, ledger: Ledger | None = None,
            max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> PromptPrivacy:
         """The mechanism the registry (:mod:`privlm.models.text_mechanisms`) names ``mechanism``, on
-        ``device_model`` with Cape's logit bound B; ``ledger`` must budget the unit it registered. It is built
-        once now (a bad epsilon, or a bound calibrated on another model, fails here), then afresh for every call."""
+        ``device_model`` with Cape's logit bound B; ``ledger`` must budget the unit it registered. What building it
+        would refuse is refused now, by its registry entry's check (a bad epsilon, a bound calibrated on another
+        model, a masked model for a causal-only mechanism); it is built afresh for every call."""
         chosen = text_mechanism(mechanism)
         context = MechanismContext(device_model=device_model, logit_bound=logit_bound)
+        chosen.check_context(context, epsilon=epsilon)
 
         def build(eps: float, generator: torch.Generator, ledger_: Ledger | None, principal: str) -> TextPerturber:
             return chosen.build(context, epsilon=eps, generator=generator, ledger=ledger_, principal=principal)
 
-        build(epsilon, make_generator(device=device_model.device), None, "local")
         return cls(build, mechanism=chosen.name, epsilon=epsilon, count_tokens=token_counter(device_model),
                    ledger=ledger, unit=chosen.unit, max_prompt_tokens=max_prompt_tokens, device=device_model.device)
 

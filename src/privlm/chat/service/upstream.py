@@ -30,13 +30,12 @@ from typing import Any
 
 import httpx
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.service.errors import ServiceError
+from privlm.settings.chat import MAX_UPSTREAM_ANSWER_BYTES, UPSTREAM_IDLE_TIMEOUT, UPSTREAM_TIMEOUT
+from privlm.validation import check_positive_finite, check_positive_int
 
 CONNECT_TIMEOUT = 10.0
-DEADLINE = 300.0  # a long generation may take minutes, streamed or not
-IDLE_TIMEOUT = 120.0  # a stream may wait long for its first event (a queue, a prefill), less between the others
-MAX_ANSWER_BYTES = 32 * 2**20
+DEADLINE, IDLE_TIMEOUT, MAX_ANSWER_BYTES = UPSTREAM_TIMEOUT, UPSTREAM_IDLE_TIMEOUT, MAX_UPSTREAM_ANSWER_BYTES
 # Not passed on: they describe the upstream connection, not the answer (httpx has already decoded the body).
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
                          "server", "date", "set-cookie", "proxy-authenticate", "upgrade", "trailer", "te"})

@@ -35,10 +35,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, WithJsonSchema
 
-from privlm._validation import check_non_negative_finite, check_positive_int
 from privlm.detect.detector import Detector
 from privlm.detect.spans import Kind, Span
 from privlm.service import Batcher, BearerKeys, ServiceError
+from privlm.validation import check_non_negative_finite, check_positive_int
 
 logger = logging.getLogger(__name__)
 

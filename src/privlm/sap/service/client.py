@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from safetensors.torch import load as load_safetensors
 
 from privlm.accounting import Ledger
 from privlm.models.device import resolve_device
-from privlm.sap.config import SapConfig
+from privlm.sap.config import FitOptions, SapConfig
 from privlm.sap.customer import Customer
 from privlm.sap.messages import CustomerMessage, Forward, OutputGradient, VendorMessage, from_bytes, to_bytes
 from privlm.sap.service.bundle import is_bottom_bundle_file, load_bottom_bundle
@@ -130,34 +131,52 @@ def _int_header(response: httpx.Response, name: str) -> int:
     return int(value)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClientOptions:
+    """The SAP client's rarely-set knobs. ``timeout``: per request, in seconds; ``retry_for`` and ``backoff``: how
+    long, and how, a failed request is retried (:class:`~privlm.service.RetryPolicy`); ``max_bundle_bytes``: the
+    largest bottom bundle downloaded; ``transport``: httpx's (an in-process app, say); ``ledger`` and
+    ``principal``: where, and under which name, the customer's privacy spend is charged."""
+
+    timeout: float = 120.0
+    retry_for: float = 120.0
+    backoff: float = 0.25
+    max_bundle_bytes: int = MAX_BUNDLE_BYTES
+    transport: httpx.BaseTransport | None = None
+    ledger: Ledger | None = None
+    principal: str = "customer"
+
+
 class Client(ClosesHttp):
     """The customer: its data, labels, privatizer and (optionally) head, against a remote vendor."""
 
     def __init__(self, base_url: str, *, config: SapConfig, n_classes: int, api_key: str | None = None,
-                 cache_dir: str | Path | None = None, timeout: float = 120.0, retry_for: float = 120.0,
-                 backoff: float = 0.25, ledger: Ledger | None = None, principal: str = "customer",
-                 device: str | torch.device = "auto", transport: httpx.BaseTransport | None = None,
-                 max_bundle_bytes: int = MAX_BUNDLE_BYTES) -> None:
+                 cache_dir: str | Path | None = None, device: str | torch.device = "auto",
+                 options: ClientOptions | None = None) -> None:
         self.config = config
+        options = options or ClientOptions()
         resolved = resolve_device(device)  # checked before anything is downloaded
-        self.retry = RetryPolicy(retry_for=retry_for, backoff=backoff)
-        self.http = open_http(base_url, api_key=api_key, timeout=timeout, transport=transport)
+        self.retry = RetryPolicy(retry_for=options.retry_for, backoff=options.backoff)
+        self.http = open_http(base_url, api_key=api_key, timeout=options.timeout, transport=options.transport)
         self.manifest, folder = fetch_bundle(self.http, bundle_path(config.blocks), BottomManifest, self.retry,
                                              cache_dir=cache_dir, namespace="sap-bottoms",
-                                             allowed=is_bottom_bundle_file, max_bytes=max_bundle_bytes)
+                                             allowed=is_bottom_bundle_file, max_bytes=options.max_bundle_bytes)
         bottom, tokenizer = load_bottom_bundle(folder, self.manifest.fingerprint)
-        request = SessionRequest.for_config(config, n_classes=n_classes, bottom_fingerprint=self.manifest.fingerprint)
-        # Not idempotent: a resent request could open two sessions.
-        self.session = read_answer(SessionInfo, self.retry.call(
-            lambda: self.http.post(SESSIONS_PATH, json=request.model_dump()), idempotent=False))
+        self.session = self._open_session(SessionRequest.for_config(config, n_classes=n_classes,
+                                                                    bottom_fingerprint=self.manifest.fingerprint))
         self.session_id = self.session.id
         # On Ray Serve, requests that carry it go to the replica that holds the session (multiplexing by id).
         self.http.headers[MULTIPLEX_HEADER] = self.session_id
         self.transport = HttpTransport(self.http, self.session, self.retry)
         self.customer = Customer(bottom.to(resolved), tokenizer, self.transport, config=config,
-                                 n_classes=n_classes, ledger=ledger, principal=principal,
+                                 n_classes=n_classes, ledger=options.ledger, principal=options.principal,
                                  vendor_fingerprint=self.manifest.fingerprint)
         self.customer.keep_releases = True  # a rewind resends them
+
+    def _open_session(self, request: SessionRequest) -> SessionInfo:
+        # Not idempotent: a resent request could open two sessions.
+        return read_answer(SessionInfo, self.retry.call(
+            lambda: self.http.post(SESSIONS_PATH, json=request.model_dump()), idempotent=False))
 
     def fit(self, train_texts: Sequence[str], train_labels: Sequence[int] | np.ndarray,
             validation_texts: Sequence[str], validation_labels: Sequence[int] | np.ndarray, *,
@@ -168,7 +187,8 @@ class Client(ClosesHttp):
         :class:`ServerError`, as every other failure of the vendor."""
         try:
             return fit(self.customer, train_texts, train_labels, validation_texts, validation_labels,
-                       test_texts=test_texts, test_labels=test_labels, patience=patience, progress=progress)
+                       options=FitOptions(test_texts=test_texts, test_labels=test_labels, patience=patience,
+                                          progress=progress))
         except VendorBehindError as error:
             raise ServerError(str(error)) from error
 

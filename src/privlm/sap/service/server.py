@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Unpack
+from typing import TYPE_CHECKING, Annotated, Any, Unpack
 
-import torch
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
@@ -33,10 +33,7 @@ from prometheus_client import Gauge
 from safetensors.torch import save as save_safetensors
 
 from privlm.accounting.principals import legacy_principal_of_key
-from privlm.models.device import resolve_device
-from privlm.models.loading import load_pretrained
-from privlm.models.partition import split_model
-from privlm.models.pooling import choose_pooling
+from privlm.sap.model import VendorModel
 from privlm.sap.service.bundle import bottom_bundle
 from privlm.sap.service.sessions import SessionLimits, VendorSessions
 from privlm.sap.service.store import SessionNotFoundError, SessionStore
@@ -59,7 +56,19 @@ from privlm.service import (
     public_model_name,
 )
 
+if TYPE_CHECKING:
+    from privlm.settings.sap import SapVendorSettings
+
 _SESSION_ID = Annotated[str, PathParam(pattern=SESSION_ID_PATTERN, description="The session's id.")]
+
+
+def _caller(request: Request) -> str:
+    """The caller's principal, as the router's own dependency found it (:meth:`VendorRoutes.router`)."""
+    principal: str = request.state.principal
+    return principal
+
+
+_PRINCIPAL = Annotated[str, Depends(_caller)]
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _EXCHANGE_OPENAPI: dict[str, object] = {
     "requestBody": {"required": True, "description": "One SAP customer message (Upload, Forward or "
@@ -92,90 +101,135 @@ def _owners_auth(api_keys: tuple[str, ...], store: SessionStore) -> BearerKeys:
     return BearerKeys(api_keys, principals=principals)
 
 
-def create_vendor_app(model_name: str | Path = "minilm", *, store: str | Path, splits: tuple[int, ...] = (0,),
-                      api_keys: tuple[str, ...] = (), checkpoint_every: int = 50,
-                      limits: SessionLimits | None = None, device: str | torch.device = "auto",
-                      shared_store: bool = False, on_session: Callable[[str], Awaitable[object]] | None = None,
-                      **service: Unpack[ServiceOptions]) -> FastAPI:
-    """The vendor's server for ``model_name``, exporting bottoms at the ``splits`` positions, with sessions kept
-    in the folder ``store``. ``shared_store``: replicas serve the same sessions from it (every step checkpointed,
-    a stale copy reloaded). ``on_session(id)`` is awaited before any request on a session (Ray Serve's
-    multiplexing uses it to keep a session's requests on the replica that holds it)."""
-    loaded = load_pretrained(model_name, device=resolve_device(device), causal_lm_head=False)
-    pooling = choose_pooling(loaded.family, folder=loaded.sentence_transformer)
-    if not splits:
-        raise ValueError("splits must name at least one split position")
-    bottoms = {blocks: split_model(loaded.model, blocks, pooling=pooling, name=str(model_name))[0] for blocks in splits}
-    limits = limits or SessionLimits()
-    session_store = SessionStore(store)
-    sessions = VendorSessions(loaded.model, bottoms=bottoms, pooling=pooling, store=session_store,
-                              checkpoint_every=checkpoint_every, limits=limits, shared=shared_store)
-    auth = _owners_auth(api_keys, session_store)
-    router = APIRouter(tags=["sap"])
+@dataclass(frozen=True)
+class VendorOptions:
+    """How the vendor keeps sessions. ``checkpoint_every``: steps between a session's checkpoints. ``limits``: what a
+    session may hold and a message carry. ``shared_store``: replicas serve the same sessions from the store (every
+    step checkpointed, a stale copy reloaded)."""
 
-    async def guarded(call: Callable[..., Any], session_id: str, *args: object) -> Any:
-        if on_session is not None:
-            await on_session(session_id)
+    checkpoint_every: int = 50
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    shared_store: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: SapVendorSettings, *, shared_store: bool = False) -> VendorOptions:
+        """The options ``privlm sap vendor`` sets: its checkpoint interval and session limits."""
+        limits = SessionLimits(max_sessions=settings.max_sessions, max_abs_value=settings.max_abs_value)
+        return cls(checkpoint_every=settings.checkpoint_every, limits=limits, shared_store=shared_store)
+
+
+class VendorRoutes:
+    """The session routes over ``sessions``, one method per endpoint; every route names its caller through
+    ``auth``. ``on_session(id)`` is awaited before any request on a session (Ray Serve's multiplexing uses it to keep
+    a session's requests on the replica that holds it)."""
+
+    def __init__(self, sessions: VendorSessions, auth: BearerKeys,
+                 on_session: Callable[[str], Awaitable[object]] | None = None) -> None:
+        self.sessions, self.auth, self.on_session = sessions, auth, on_session
+
+    def router(self) -> APIRouter:
+        """The routes, each behind the caller's key (:meth:`BearerKeys.dependency`)."""
+        async def name_the_caller(request: Request, principal: str = Depends(self.auth.dependency)) -> None:
+            request.state.principal = principal
+
+        router = APIRouter(tags=["sap"], dependencies=[Depends(name_the_caller)])
+        session = SESSIONS_PATH + "/{session_id}"
+        router.add_api_route(SESSIONS_PATH, self.create_session, methods=["POST"], status_code=201,
+                             responses=_CONFLICT)
+        router.add_api_route(session, self.session_info, methods=["GET"])
+        router.add_api_route(session + "/exchange", self.exchange, methods=["POST"], response_class=Response,
+                             openapi_extra=_EXCHANGE_OPENAPI, responses=_CONFLICT)
+        router.add_api_route(session + "/checkpoint", self.checkpoint, methods=["POST"])
+        router.add_api_route(session + "/select", self.select, methods=["POST"])
+        router.add_api_route(session + "/adapter", self.adapter, methods=["GET"], response_class=Response,
+                             responses={200: {"content": {"application/octet-stream": _BINARY}}})
+        router.add_api_route(session, self.delete_session, methods=["DELETE"], status_code=204,
+                             response_class=Response)
+        return router
+
+    async def _on(self, call: Callable[..., Any], session_id: str, *args: object) -> Any:
+        """``call(session_id, *args)`` off the event loop, once the session is held here; a session that does not
+        exist, or is not the caller's, is a 404."""
+        if self.on_session is not None:
+            await self.on_session(session_id)
         try:
             return await run_in_threadpool(call, session_id, *args)
         except SessionNotFoundError:
             raise _not_found() from None
 
-    @router.post(SESSIONS_PATH, status_code=201, responses=_CONFLICT)
-    async def create_session(request: SessionRequest, principal: str = Depends(auth.dependency)) -> SessionInfo:
+    async def create_session(self, request: SessionRequest, principal: _PRINCIPAL) -> SessionInfo:
         """Open a fine-tuning session for the caller's key."""
-        return await run_in_threadpool(sessions.create, request, principal)
+        return await run_in_threadpool(self.sessions.create, request, principal)
 
-    @router.get(SESSIONS_PATH + "/{session_id}")
-    async def session_info(session_id: _SESSION_ID, principal: str = Depends(auth.dependency)) -> SessionInfo:
-        return await guarded(sessions.info, session_id, principal)
+    async def session_info(self, session_id: _SESSION_ID, principal: _PRINCIPAL) -> SessionInfo:
+        return await self._on(self.sessions.info, session_id, principal)
 
-    @router.post(SESSIONS_PATH + "/{session_id}/exchange", openapi_extra=_EXCHANGE_OPENAPI, response_class=Response,
-                 responses=_CONFLICT)
-    async def exchange(session_id: _SESSION_ID, request: Request, principal: str = Depends(auth.dependency)
-                       ) -> Response:
+    async def exchange(self, session_id: _SESSION_ID, request: Request, principal: _PRINCIPAL) -> Response:
         """One SAP message in, the vendor's answer out."""
         body = await request.body()
-        content, headers = await guarded(sessions.exchange, session_id, principal, body)
+        content, headers = await self._on(self.sessions.exchange, session_id, principal, body)
         return Response(content, media_type=SAP_MESSAGE, headers=headers)
 
-    @router.post(SESSIONS_PATH + "/{session_id}/checkpoint")
-    async def checkpoint(session_id: _SESSION_ID, request: CheckpointRequest | None = None,
-                         principal: str = Depends(auth.dependency)) -> SessionInfo:
+    async def checkpoint(self, session_id: _SESSION_ID, principal: _PRINCIPAL,
+                         request: CheckpointRequest | None = None) -> SessionInfo:
         """Checkpoint now; with ``keep`` also file it under its step, to select later."""
         keep = request.keep if request is not None else False
-        return await guarded(sessions.checkpoint, session_id, principal, keep)
+        return await self._on(self.sessions.checkpoint, session_id, principal, keep)
 
-    @router.post(SESSIONS_PATH + "/{session_id}/select")
-    async def select(session_id: _SESSION_ID, request: SelectRequest, principal: str = Depends(auth.dependency)
-                     ) -> SessionInfo:
+    async def select(self, session_id: _SESSION_ID, request: SelectRequest, principal: _PRINCIPAL) -> SessionInfo:
         """Serve the adapter kept at ``step`` (the epoch the customer chose on its validation data)."""
-        return await guarded(sessions.select, session_id, principal, request.step)
+        return await self._on(self.sessions.select, session_id, principal, request.step)
 
-    @router.get(SESSIONS_PATH + "/{session_id}/adapter", response_class=Response,
-                responses={200: {"content": {"application/octet-stream": _BINARY}}})
-    async def adapter(session_id: _SESSION_ID, principal: str = Depends(auth.dependency)) -> Response:
+    async def adapter(self, session_id: _SESSION_ID, principal: _PRINCIPAL) -> Response:
         """The trained adapter as safetensors; its settings in the metadata ``facts``."""
-        state, facts = await guarded(sessions.adapter, session_id, principal)
+        state, facts = await self._on(self.sessions.adapter, session_id, principal)
         content = save_safetensors({k: v.contiguous() for k, v in state.items()}, metadata={"facts": json.dumps(facts)})
         return Response(content, media_type="application/octet-stream")
 
-    @router.delete(SESSIONS_PATH + "/{session_id}", status_code=204, response_class=Response)
-    async def delete_session(session_id: _SESSION_ID, principal: str = Depends(auth.dependency)) -> Response:
-        await guarded(sessions.delete, session_id, principal)
+    async def delete_session(self, session_id: _SESSION_ID, principal: _PRINCIPAL) -> Response:
+        await self._on(self.sessions.delete, session_id, principal)
         return Response(status_code=204)
 
-    bundles = [bottom_bundle(bottom, loaded.tokenizer).router(bundle_path(blocks))
-               for blocks, bottom in bottoms.items()]
-    name = public_model_name(str(model_name))
-    app = create_service_app(title="privlm SAP vendor", routers=[router, *bundles], auth=auth,
-                             max_request_bytes=limits.max_message_bytes,
-                             health=lambda: {"model": name, "splits": sorted(bottoms),
+
+def create_vendor_app(model: VendorModel, *, store: str | Path, api_keys: tuple[str, ...] = (),
+                      options: VendorOptions | None = None,
+                      on_session: Callable[[str], Awaitable[object]] | None = None,
+                      **service: Unpack[ServiceOptions]) -> FastAPI:
+    """The vendor's server for ``model`` (:meth:`VendorModel.load`), exporting its bottoms, with sessions kept in
+    the folder ``store``; ``on_session``: see :class:`VendorRoutes`. ``service`` options (docs, allowed hosts,
+    in-flight cap, body timeout) go to :func:`create_service_app`."""
+    options = options or VendorOptions()
+    session_store = SessionStore(store)
+    sessions = VendorSessions(model.model, bottoms=model.bottoms, pooling=model.pooling, store=session_store,
+                              checkpoint_every=options.checkpoint_every, limits=options.limits,
+                              shared=options.shared_store)
+    auth = _owners_auth(api_keys, session_store)
+    bundles = [bottom_bundle(bottom, model.tokenizer).router(bundle_path(blocks))
+               for blocks, bottom in model.bottoms.items()]
+    name = public_model_name(model.name)
+    app = create_service_app(title="privlm SAP vendor", routers=[VendorRoutes(sessions, auth, on_session).router(),
+                                                                 *bundles],
+                             auth=auth, max_request_bytes=options.limits.max_message_bytes,
+                             health=lambda: {"model": name, "splits": sorted(model.bottoms),
                                              "sessions": sessions.session_count}, **service)
-    registry = app.state.metrics.registry
-    gauge = Gauge("privlm_sap_sessions", "Sessions held in memory", registry=registry)
-    gauge.set_function(lambda: sessions.session_count)
-    taken = Gauge("privlm_sap_steps_taken", "Training steps taken since start", registry=registry)
-    taken.set_function(lambda: sessions.steps_taken)
+    _count_sessions(app, sessions)
     app.state.sessions = sessions
     return app
+
+
+def vendor_app(model: VendorModel, settings: SapVendorSettings, api_keys: tuple[str, ...], *,
+               shared_store: bool = False, on_session: Callable[[str], Awaitable[object]] | None = None) -> FastAPI:
+    """The server as ``privlm sap vendor`` builds it from its settings, in this process or in each Ray replica
+    (``shared_store``: replicas serve one store)."""
+    return create_vendor_app(model, store=settings.store, api_keys=api_keys,
+                             options=VendorOptions.from_settings(settings, shared_store=shared_store),
+                             on_session=on_session, **settings.options())
+
+
+def _count_sessions(app: FastAPI, sessions: VendorSessions) -> None:
+    """Gauges of the sessions held in memory and the steps taken, read when scraped."""
+    registry = app.state.metrics.registry
+    held = Gauge("privlm_sap_sessions", "Sessions held in memory", registry=registry)
+    held.set_function(lambda: sessions.session_count)
+    taken = Gauge("privlm_sap_steps_taken", "Training steps taken since start", registry=registry)
+    taken.set_function(lambda: sessions.steps_taken)

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from privlm._validation import check_positive_finite, check_positive_int
 from privlm.models.partition import BottomModel, split_model
 from privlm.models.pooling import Pooling
 from privlm.sap.messages import (
@@ -36,6 +35,7 @@ from privlm.sap.messages import (
 from privlm.sap.service.store import SessionNotFoundError, SessionStore, new_session_id
 from privlm.sap.service.wire import CHECKPOINT_STEP_HEADER, STEPS_DONE_HEADER, SessionInfo, SessionRequest
 from privlm.sap.vendor import Vendor
+from privlm.validation import check_positive_finite, check_positive_int
 
 
 @dataclass(frozen=True)

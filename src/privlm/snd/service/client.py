@@ -14,21 +14,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
 
-from privlm._validation import check_choice, check_positive_finite, check_positive_int
 from privlm.accounting import Ledger
 from privlm.models import Tokens, TruncationPolicy
 from privlm.service import RequestRefusedError, RetryPolicy, ServerError
 from privlm.service.bundle import MAX_BUNDLE_BYTES
 from privlm.service.sdk import ClosesHttp, bearer, fetch_bundle, open_http
-from privlm.snd.encoder import LOCAL_PRINCIPAL, BaseEncoder, EncodeCall, Encoded, SnDEncoder
+from privlm.snd.encoder import LOCAL_PRINCIPAL, BaseEncoder, EncodeCall, Encoded, EncoderOptions, SnDEncoder
 from privlm.snd.privatizer import PrivateBatch
 from privlm.snd.service.bundle import BUNDLE_PATH, SnDManifest, bundle_embedder, choose_denoiser, is_snd_bundle_file
+from privlm.validation import check_choice, check_positive_finite, check_positive_int
 from privlm.wire import (
     MODEL_FINGERPRINT_HEADER,
     RAW,
@@ -67,34 +68,58 @@ class IncompleteEncodingError(ServerError):
                          f"({cause}); {advice}")
 
 
+@dataclass(frozen=True)
+class ClientOptions:
+    """A client's rarely-set knobs: the HTTP ``timeout`` and retries (:class:`privlm.service.RetryPolicy`:
+    ``retry_for``, ``retries``, ``backoff``), the wire's ``dtype`` and ``wire_format``, texts a batch, the
+    ``truncation`` policy, the largest bundle downloaded, the batches an :class:`AsyncClient` sends at once
+    (``max_concurrency``), the httpx ``transport`` of a :class:`Client` (``async_transport``: an
+    :class:`AsyncClient`'s), and the ``ledger`` every call's release is spent in first (its principal's)."""
+
+    timeout: float = 30.0
+    retry_for: float = 60.0
+    retries: int | None = None
+    backoff: float = 0.25
+    dtype: WireDType = "float32"
+    wire_format: WireFormat = SAFETENSORS
+    batch_size: int = 32
+    truncation: TruncationPolicy = "warn"
+    max_bundle_bytes: int = MAX_BUNDLE_BYTES
+    max_concurrency: int = 4
+    transport: httpx.BaseTransport | None = None
+    async_transport: httpx.AsyncBaseTransport | None = None
+    ledger: Ledger | None = None
+
+
 class BaseClient(BaseEncoder):
     """What both clients share, with no I/O of its own: the checked settings, the bundle's manifest and client half,
     the encode request, the checks on each answer, and what a call that failed part-way leaves. (``fetch_bundle``
     runs on the blocking HTTP client its subclass hands it.)"""
 
-    def __init__(self, *, eta: float, retry_for: float, retries: int | None, backoff: float, dtype: WireDType,
-                 wire_format: WireFormat, batch_size: int, max_bundle_bytes: int) -> None:
+    def __init__(self, *, eta: float, options: ClientOptions) -> None:
         # Every setting is checked before anything is downloaded (the subclass downloads, then calls load_bundle).
         self._eta = check_positive_finite("eta", eta)
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        self.max_bundle_bytes = check_positive_int("max_bundle_bytes", max_bundle_bytes)
-        self.dtype = check_choice("dtype", dtype, WIRE_DTYPES)
-        self.wire_format = check_choice("wire_format", wire_format, (SAFETENSORS, RAW))
-        self.retry = RetryPolicy(retry_for=retry_for, retries=retries, backoff=backoff)
+        self.options = options
+        self.batch_size = check_positive_int("batch_size", options.batch_size)
+        self.max_bundle_bytes = check_positive_int("max_bundle_bytes", options.max_bundle_bytes)
+        self.dtype = check_choice("dtype", options.dtype, WIRE_DTYPES)
+        self.wire_format = check_choice("wire_format", options.wire_format, (SAFETENSORS, RAW))
+        self.retry = RetryPolicy(retry_for=options.retry_for, retries=options.retries, backoff=options.backoff)
 
     def fetch_bundle(self, http: httpx.Client, cache_dir: str | Path | None) -> tuple[SnDManifest, Path]:
         """The manifest and the folder of the bundle, fetched through ``http`` (blocking: a constructor cannot
         await) and cached by hash."""
-        return fetch_bundle(http, BUNDLE_PATH, SnDManifest, self.retry, cache_dir=cache_dir, namespace="snd-bundles",
-                            allowed=is_snd_bundle_file, max_bytes=self.max_bundle_bytes)
+        return fetch_bundle(http, BUNDLE_PATH, SnDManifest, self.retry, cache_dir=cache_dir,
+                            namespace="snd-bundles", allowed=is_snd_bundle_file, max_bytes=self.max_bundle_bytes)
 
-    def load_bundle(self, manifest: SnDManifest, folder: Path, *, denoiser: str | None, truncation: TruncationPolicy,
-                    generator: torch.Generator | None, device: str | torch.device, ledger: Ledger | None) -> None:
+    def load_bundle(self, manifest: SnDManifest, folder: Path, *, denoiser: str | None,
+                    generator: torch.Generator | None, device: str | torch.device) -> None:
         """The encoder's own setup, from the downloaded bundle."""
         self.manifest, self.weights_fingerprint = manifest, manifest.model.weights_fingerprint
         BaseEncoder.__init__(self, bundle_embedder(folder, device=device), eta=self._eta,
-                             denoiser=choose_denoiser(manifest, folder, self._eta, denoiser),
-                             batch_size=self.batch_size, truncation=truncation, generator=generator, ledger=ledger)
+                             denoiser=choose_denoiser(manifest, folder, self._eta, denoiser), generator=generator,
+                             ledger=self.options.ledger, options=EncoderOptions(batch_size=self.batch_size,
+                                                                   truncation=self.options.truncation))
 
     def encode_request(self, private: PrivateBatch) -> tuple[bytes, dict[str, str]]:
         """The body and headers of one encode request: X~ and the mask only. A retry resends the same bytes
@@ -132,17 +157,13 @@ class Client(BaseClient, SnDEncoder, ClosesHttp):
     """Private sentence embeddings from a remote SnD server; ``encode`` like sentence-transformers."""
 
     def __init__(self, base_url: str, *, eta: float, denoiser: str | None = "auto", api_key: str | None = None,
-                 cache_dir: str | Path | None = None, timeout: float = 30.0, retry_for: float = 60.0,
-                 retries: int | None = None, backoff: float = 0.25,
-                 dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
-                 truncation: TruncationPolicy = "warn", generator: torch.Generator | None = None,
-                 device: str | torch.device = "auto", transport: httpx.BaseTransport | None = None,
-                 ledger: Ledger | None = None, max_bundle_bytes: int = MAX_BUNDLE_BYTES) -> None:
-        super().__init__(eta=eta, retry_for=retry_for, retries=retries, backoff=backoff, dtype=dtype,
-                         wire_format=wire_format, batch_size=batch_size, max_bundle_bytes=max_bundle_bytes)
-        self.http = open_http(base_url, api_key=api_key, timeout=timeout, transport=transport)
-        self.load_bundle(*self.fetch_bundle(self.http, cache_dir), denoiser=denoiser, truncation=truncation,
-                         generator=generator, device=device, ledger=ledger)
+                 cache_dir: str | Path | None = None, device: str | torch.device = "auto",
+                 generator: torch.Generator | None = None, options: ClientOptions | None = None) -> None:
+        options = options or ClientOptions()
+        super().__init__(eta=eta, options=options)
+        self.http = open_http(base_url, api_key=api_key, timeout=options.timeout, transport=options.transport)
+        self.load_bundle(*self.fetch_bundle(self.http, cache_dir), denoiser=denoiser, generator=generator,
+                         device=device)
 
     def server_encode(self, private: PrivateBatch) -> torch.Tensor:
         body, headers = self.encode_request(private)
@@ -168,22 +189,17 @@ class AsyncClient(BaseClient):
     """The async twin of ``Client``: the bundle is fetched once at construction; ``await encode(texts)``
     privatizes and denoises locally and sends the batches concurrently (at most ``max_concurrency``)."""
 
-    def __init__(self, base_url: str, *, eta: float, max_concurrency: int = 4, timeout: float = 30.0,
-                 api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
-                 cache_dir: str | Path | None = None, retry_for: float = 60.0, retries: int | None = None,
-                 backoff: float = 0.25,
-                 dtype: WireDType = "float32", wire_format: WireFormat = SAFETENSORS, batch_size: int = 32,
-                 denoiser: str | None = "auto", truncation: TruncationPolicy = "warn",
-                 generator: torch.Generator | None = None, device: str | torch.device = "auto",
-                 ledger: Ledger | None = None) -> None:
-        super().__init__(eta=eta, retry_for=retry_for, retries=retries, backoff=backoff, dtype=dtype,
-                         wire_format=wire_format, batch_size=batch_size, max_bundle_bytes=MAX_BUNDLE_BYTES)
-        self.semaphore = asyncio.Semaphore(check_positive_int("max_concurrency", max_concurrency))
-        with open_http(base_url, api_key=api_key, timeout=timeout) as http:
+    def __init__(self, base_url: str, *, eta: float, denoiser: str | None = "auto", api_key: str | None = None,
+                 cache_dir: str | Path | None = None, device: str | torch.device = "auto",
+                 generator: torch.Generator | None = None, options: ClientOptions | None = None) -> None:
+        options = options or ClientOptions()
+        super().__init__(eta=eta, options=options)
+        self.semaphore = asyncio.Semaphore(check_positive_int("max_concurrency", options.max_concurrency))
+        with open_http(base_url, api_key=api_key, timeout=options.timeout) as http:
             bundle = self.fetch_bundle(http, cache_dir)
-        self.load_bundle(*bundle, denoiser=denoiser, truncation=truncation, generator=generator, device=device,
-                         ledger=ledger)
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=bearer(api_key), transport=transport)
+        self.load_bundle(*bundle, denoiser=denoiser, generator=generator, device=device)
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=options.timeout, headers=bearer(api_key),
+                                      transport=options.async_transport)
 
     async def _release(self, private: PrivateBatch) -> torch.Tensor:
         if not self.needs_server:

@@ -11,21 +11,18 @@ No caller can hold the gateway: a request may carry at most ``max_request_tokens
 gateway). Error messages name inputs by index, never by their text.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: the route's request is annotated with this gateway's own class
+# (EmbeddingsRoutes.router), which FastAPI must get as the class itself; a name could not be resolved.
 import asyncio
 import base64
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Annotated, Literal, Unpack
+from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StringConstraints
 
-from privlm._validation import check_positive_int
 from privlm.models import Tokens, check_texts
 from privlm.service import (
     BearerKeys,
@@ -34,20 +31,14 @@ from privlm.service import (
     RequestRefusedError,
     ServerError,
     ServiceError,
-    ServiceOptions,
-    catalog_router,
     check_model,
-    create_service_app,
     public_model_name,
 )
+from privlm.settings.gateway import EmbeddingsOptions
 from privlm.snd.encoder import Encoded
 from privlm.snd.service.client import Client
+from privlm.validation import check_positive_int
 
-MAX_REQUEST_BYTES = 8 * 2**20
-
-
-MAX_REQUEST_TOKENS = 300_000  # OpenAI's cap on the tokens of one embeddings request
-MAX_CONCURRENT_BATCHES = 4
 TOKENIZE_CHUNK = 64  # texts tokenized in one turn
 
 
@@ -134,88 +125,108 @@ def _upstream_failure(error: Exception) -> ServiceError:
                         code="upstream_failed")
 
 
-@dataclass(frozen=True)
-class EmbeddingsRoutes:
-    """The embeddings endpoint of a gateway: its router, the model it offers, and its facts for ``/health``."""
-
-    router: APIRouter
-    offered: list[ModelEntry]
-    health: dict[str, object]
-
-
-def create_gateway(client: Client, *, api_keys: Sequence[str] = (), max_inputs: int = 2048,
-                   max_request_tokens: int = MAX_REQUEST_TOKENS, truncate: bool = False,
-                   max_request_bytes: int = MAX_REQUEST_BYTES,
-                   max_concurrent_batches: int = MAX_CONCURRENT_BATCHES, **service: Unpack[ServiceOptions]) -> FastAPI:
-    """The gateway around one configured ``Client`` (eta, denoiser, server and ledger are fixed at start).
-
-    The model must be named by its id (``privlm-snd-<model>``, as ``/v1/models`` lists it), else 404
-    ``model_not_found``. A request over ``max_inputs`` texts or ``max_request_tokens`` tokens is refused (400). A
-    text longer than the model's maximum is refused with a 400 (``param`` = ``input``, ``code`` =
-    ``context_length_exceeded``, as OpenAI does), unless ``truncate``: then it is cut and the response
-    header ``x-privlm-truncated`` lists the indices of the cut inputs. Texts with unknown tokens, or with
-    no content tokens at all, are listed in ``x-privlm-unknown-tokens`` and ``x-privlm-no-content``.
-    """
-    auth = BearerKeys(api_keys)
-    routes = embeddings_routes(client, auth=auth, max_inputs=max_inputs, max_request_tokens=max_request_tokens,
-                               truncate=truncate, max_concurrent_batches=max_concurrent_batches)
-    return create_service_app(title="privlm gateway (OpenAI-compatible embeddings)",
-                              routers=[routes.router, catalog_router(routes.offered)], auth=auth,
-                              max_request_bytes=max_request_bytes, health=lambda: routes.health, **service)
-
-
-def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 2048,
-                      max_request_tokens: int = MAX_REQUEST_TOKENS, truncate: bool = False,
-                      max_concurrent_batches: int = MAX_CONCURRENT_BATCHES) -> EmbeddingsRoutes:
-    """``POST /v1/embeddings`` around ``client``, behind ``auth`` (see :func:`create_gateway`)."""
-    auth = auth.charging(client.ledger)  # callers named as the client's ledger names them
-    check_positive_int("max_inputs", max_inputs)
-    check_positive_int("max_request_tokens", max_request_tokens)
-    model_id = f"privlm-snd-{public_model_name(str(client.model.name))}"
-    offered = [ModelEntry(id=model_id, dim=client.model.hidden_size)]
-    max_length = client.model.max_length
-    width = client.model.hidden_size
+def _request_model(max_inputs: int, model_id: str, width: int) -> type[EmbeddingRequest]:
+    """This gateway's request: its real constraints, for validation and its OpenAPI schema."""
     Text = Annotated[str, StringConstraints(pattern=r"\S")]
 
-    class GatewayEmbeddingRequest(EmbeddingRequest):  # this gateway's real constraints, for its OpenAPI schema
+    class GatewayEmbeddingRequest(EmbeddingRequest):
         input: Text | Annotated[list[Text], Field(min_length=1, max_length=max_inputs)] = Field(
             description=f"Text or 1 to {max_inputs} texts, none blank (token arrays are refused: send text).")
         model: str = Field(json_schema_extra={"enum": [model_id]}, description="This gateway's model.")
         dimensions: int | None = Field(None, json_schema_extra={"enum": [width, None]},
                                        description=f"{width}, the model's width, if given.")
 
-    scheduler = FairScheduler(max_concurrent_batches)
-    tokenizing = FairScheduler(1)  # the tokenizer is serialised anyway: one turn at a time, fairly shared
-    router = APIRouter(tags=["embeddings"])
+    return GatewayEmbeddingRequest
 
-    async def tokenize(texts: list[str], caller: str) -> Tokens:
+
+class EmbeddingsRoutes:
+    """``POST /v1/embeddings`` around one configured ``Client`` (eta, denoiser, server and ledger are fixed at
+    start), behind ``auth``; :meth:`router` mounts it, ``offered`` is its model for ``/v1/models``, ``health`` its
+    facts for ``/health``.
+
+    The model must be named by its id (``privlm-snd-<model>``, as ``/v1/models`` lists it), else 404
+    ``model_not_found``. A request over ``max_inputs`` texts or ``options.max_request_tokens`` tokens is refused
+    (400). A text longer than the model's maximum is refused with a 400 (``param`` = ``input``, ``code`` =
+    ``context_length_exceeded``, as OpenAI does), unless ``options.truncate``: then it is cut and the response
+    header ``x-privlm-truncated`` lists the indices of the cut inputs. Texts with unknown tokens, or with
+    no content tokens at all, are listed in ``x-privlm-unknown-tokens`` and ``x-privlm-no-content``.
+    """
+
+    def __init__(self, client: Client, *, auth: BearerKeys, options: EmbeddingsOptions | None = None,
+                 max_inputs: int = 2048) -> None:
+        options = options or EmbeddingsOptions()  # its values checked when made
+        self.client, self.truncate, self.max_request_tokens = client, options.truncate, options.max_request_tokens
+        self.auth = auth.charging(client.ledger)  # callers named as the client's ledger names them
+        self.max_inputs = check_positive_int("max_inputs", max_inputs)
+        self.model_id = f"privlm-snd-{public_model_name(str(client.model.name))}"
+        self.offered = [ModelEntry(id=self.model_id, dim=client.model.hidden_size)]
+        self.health: dict[str, object] = {"model": self.model_id, "eta": client.eta}
+        self.request_model = _request_model(self.max_inputs, self.model_id, client.model.hidden_size)
+        self.scheduler = FairScheduler(options.max_concurrent_batches)
+        self.tokenizing = FairScheduler(1)  # the tokenizer is serialised anyway: one turn at a time, fairly shared
+
+    def router(self) -> APIRouter:
+        """The route, its request typed by this gateway's own model: FastAPI reads the class itself, not a name."""
+        body = self.request_model
+
+        async def embeddings(request: body, principal: str = Depends(self.auth.dependency)  # type: ignore[valid-type]
+                             ) -> Response:
+            return await self.create(request, principal)
+
+        router = APIRouter(tags=["embeddings"])
+        router.add_api_route("/v1/embeddings", embeddings, methods=["POST"], response_class=JSONResponse,
+                             responses={200: {"model": EmbeddingList, "description": "Private embeddings, in input "
+                                                                                     "order",
+                                              "headers": _PRIVACY_HEADERS}})
+        return router
+
+    async def create(self, request: EmbeddingRequest, principal: str) -> Response:
+        """The private embeddings of one request, with its privacy report in the headers."""
+        check_model(request.model, self.offered)
+        texts = [request.input] if isinstance(request.input, str) else request.input
+        if not texts or len(texts) > self.max_inputs:
+            raise ServiceError(400, f"input must hold 1 to {self.max_inputs} texts, got {len(texts)}", param="input")
+        width = self.client.model.hidden_size
+        if request.dimensions is not None and request.dimensions != width:
+            raise ServiceError(400, f"dimensions must be {width} for this model", param="dimensions")
+        caller = self.auth.fair_caller(principal)
+        tokens = await self.tokenize(texts, caller)
+        encoded = await self.encode(tokens, caller, principal)
+        content = await asyncio.to_thread(_render, self.model_id, encoded, request.encoding_format)
+        too_long = tokens.longer_than(self.client.model.max_length)
+        return Response(content, media_type="application/json",
+                        headers=_privacy_headers(self.client, encoded, too_long))
+
+    async def tokenize(self, texts: list[str], caller: str) -> Tokens:
         try:
             check_texts(texts)
         except ValueError as error:
             raise ServiceError(400, str(error), param="input", code="invalid_input") from None
         parts, total = [], 0
         for start in range(0, len(texts), TOKENIZE_CHUNK):  # a turn per chunk: others' requests interleave
-            async with tokenizing.turn(caller):
+            async with self.tokenizing.turn(caller):
                 try:  # in a worker thread: the event loop must not wait on the tokenizer
-                    part = await asyncio.to_thread(client.model.tokens, texts[start:start + TOKENIZE_CHUNK])
+                    part = await asyncio.to_thread(self.client.model.tokens, texts[start:start + TOKENIZE_CHUNK])
                 except ValueError as error:
                     raise ServiceError(400, f"{error} (counted from input {start})", param="input",
                                        code="invalid_input") from None
             parts.append(part)
             total += sum(part.counts)
-            if total > max_request_tokens:  # refused as soon as it is known, untokenized rest and all
-                raise ServiceError(400, f"the request holds more than the {max_request_tokens} tokens allowed per "
-                                        f"request ({total} in its first {start + len(part)} inputs); split it",
+            if total > self.max_request_tokens:  # refused as soon as it is known, untokenized rest and all
+                raise ServiceError(400, f"the request holds more than the {self.max_request_tokens} tokens allowed "
+                                        f"per request ({total} in its first {start + len(part)} inputs); split it",
                                    param="input", code="max_tokens_per_request")
         tokens = Tokens.join(parts)
+        max_length = self.client.model.max_length
         too_long = tokens.longer_than(max_length)
-        if too_long and not truncate:
+        if too_long and not self.truncate:
             raise ServiceError(400, f"inputs {too_long[:10]} exceed the model's maximum of {max_length} tokens "
                                     "(start the gateway with --truncate to cut them instead)",
                                param="input", code="context_length_exceeded")
         return tokens
 
-    async def encode(tokens: Tokens, caller: str, principal: str) -> Encoded:
+    async def encode(self, tokens: Tokens, caller: str, principal: str) -> Encoded:
+        client = self.client
         try:
             # "count": cut texts are reported in the x-privlm-truncated header, not as a warning
             call = await asyncio.to_thread(client.begin, tokens, principal=principal, truncation="count")
@@ -224,7 +235,7 @@ def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 204
         try:
             vectors = np.empty((len(tokens), client.model.hidden_size), dtype=np.float32)
             for indices in call.batches:  # one turn per batch: other callers' batches interleave
-                async with scheduler.turn(caller):
+                async with self.scheduler.turn(caller):
                     vectors[indices] = await asyncio.to_thread(client.encode_batch, call, indices)
         except (ServerError, RequestRefusedError) as error:
             # Charged, and batches may have reached the server (the client already retried what it safely could):
@@ -233,26 +244,3 @@ def embeddings_routes(client: Client, *, auth: BearerKeys, max_inputs: int = 204
             failure.headers = {**(failure.headers or {}), "x-should-retry": "false"}
             raise failure from None
         return Encoded(vectors, call.report)
-
-    async def embeddings(request: EmbeddingRequest, principal: str = Depends(auth.dependency)) -> Response:
-        check_model(request.model, offered)
-        texts = [request.input] if isinstance(request.input, str) else request.input
-        if not texts or len(texts) > max_inputs:
-            raise ServiceError(400, f"input must hold 1 to {max_inputs} texts, got {len(texts)}", param="input")
-        if request.dimensions is not None and request.dimensions != client.model.hidden_size:
-            raise ServiceError(400, f"dimensions must be {client.model.hidden_size} for this model",
-                               param="dimensions")
-        caller = auth.fair_caller(principal)
-        tokens = await tokenize(texts, caller)
-        encoded = await encode(tokens, caller, principal)
-        content = await asyncio.to_thread(_render, model_id, encoded, request.encoding_format)
-        return Response(content, media_type="application/json",
-                        headers=_privacy_headers(client, encoded, tokens.longer_than(max_length)))
-
-    # The request model is made here, for this gateway: FastAPI could not resolve its name from a string.
-    embeddings.__annotations__["request"] = GatewayEmbeddingRequest
-    router.post("/v1/embeddings", response_class=JSONResponse,
-                responses={200: {"model": EmbeddingList, "description": "Private embeddings, in input order",
-                                 "headers": _PRIVACY_HEADERS}})(embeddings)
-
-    return EmbeddingsRoutes(router=router, offered=offered, health={"model": model_id, "eta": client.eta})

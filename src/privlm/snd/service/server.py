@@ -29,6 +29,7 @@ from privlm.service import (
     create_service_app,
     public_model_name,
 )
+from privlm.settings.snd import MAX_BATCH_ROWS, MAX_WAIT_MS, SndServeSettings
 from privlm.snd.artefacts import default_denoiser_dir
 from privlm.snd.service.bundle import BUNDLE_PATH, snd_bundle
 from privlm.wire import (
@@ -90,7 +91,7 @@ _ENCODE_OPENAPI: dict[str, object] = {
 
 
 def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None, api_keys: Sequence[str] = (),
-               limits: Limits | None = None, max_batch_rows: int = 64, max_wait_ms: float = 5.0,
+               limits: Limits | None = None, max_batch_rows: int = MAX_BATCH_ROWS, max_wait_ms: float = MAX_WAIT_MS,
                **service: Unpack[ServiceOptions]) -> FastAPI:
     """The server for ``model``. Bearer ``api_keys`` (if any) guard every endpoint but /health; ``service``
     options (docs, allowed hosts, in-flight cap, body timeout) go to :func:`create_service_app`."""
@@ -136,3 +137,9 @@ def create_app(model: SplitModel, *, denoiser_dirs: Sequence[Path] | None = None
                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
     batcher.on_batch = rows.observe
     return app
+
+
+def served_app(model: SplitModel, settings: SndServeSettings, api_keys: Sequence[str]) -> FastAPI:
+    """The server as ``privlm snd serve`` builds it from its settings, in this process or in each Ray replica."""
+    return create_app(model, denoiser_dirs=[Path(d) for d in settings.denoisers] or None, api_keys=api_keys,
+                      max_batch_rows=settings.max_batch_rows, max_wait_ms=settings.max_wait_ms, **settings.options())

@@ -1,8 +1,10 @@
-"""A real PostgreSQL server in a folder of its own, for the tests and the benchmarks (standard library only:
-`.ci/run` runs this file before any virtual environment exists).
+"""A real PostgreSQL server in a folder of its own: to try a team's shared ledger on one machine, and for the tests
+and the bench kit's replica bench. Standard library only: `.ci/run` runs this file before any virtual environment
+exists.
 
-    python3 src/privlm_bench/harness/postgres.py start DIR   # initdb, pg_ctl start on a free port; prints the URL
-    python3 src/privlm_bench/harness/postgres.py stop DIR
+    python3 src/privlm/accounting/postgres_server.py start DIR   # initdb, pg_ctl start on a free port; prints the URL
+    python3 src/privlm/accounting/postgres_server.py stop DIR
+    python -m privlm.accounting.postgres_server start DIR        # the same, installed
 
 The server trusts local connections (it listens on 127.0.0.1 and a socket in DIR only) and runs as the
 ``postgres`` user when this is root, since PostgreSQL refuses to run as root. Tests take

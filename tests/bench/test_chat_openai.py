@@ -1,6 +1,7 @@
 """The real ``openai`` client through the gateway to ``serve-llm``: real SmolLM2 generation upstream, Cape in front.
 
-Both sides share the one loaded SmolLM2 (the gateway's device model, and ``serve-llm``'s chat model).
+Both sides share the one loaded SmolLM2 (the gateway's device model, and ``serve-llm``'s chat model). In the bench
+kit's tests: ``serve-llm`` is the kit's.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import httpx
 import openai
 import pytest
 
+from privlm.chat.service.privacy import PromptPrivacy
 from privlm.models.chat import ChatModel
+from privlm.models.language import LanguageModel
 from privlm_bench.chat.llm_server import create_llm_app
 from tests.service.localhost import serving
-from tests.support.chat import EPS, TIMEOUT, chat_gateway
+from tests.support.chat import EPS, TIMEOUT, B, chat_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +33,18 @@ class Stack(NamedTuple):
 
 
 @pytest.fixture(scope="module")
+def cape_privacy(smollm2_lm: LanguageModel) -> PromptPrivacy:
+    """As tests/chat/conftest.py's: Cape on SmolLM2 at epsilon EPS with the fixed logit bound B."""
+    return PromptPrivacy.cape(smollm2_lm, epsilon=EPS, logit_bound=B)
+
+
+@pytest.fixture(scope="module")
 def stack(smollm2_lm, cape_privacy) -> Iterator[Stack]:
     with serving(create_llm_app(ChatModel(smollm2_lm), api_keys=[LLM_KEY])) as llm_url:
         listed = httpx.get(f"{llm_url}/v1/models", headers={"authorization": f"Bearer {LLM_KEY}"}).json()
         model = listed["data"][0]["id"]
         with chat_gateway(cape_privacy, llm_url, upstream_key=LLM_KEY, api_keys=[GATEWAY_KEY],
-                          chat_models=[model]) as url:
+                          models=[model]) as url:
             yield Stack(openai.OpenAI(base_url=f"{url}/v1", api_key=GATEWAY_KEY, max_retries=0, timeout=TIMEOUT),
                         model)
 

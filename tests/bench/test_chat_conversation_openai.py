@@ -4,7 +4,8 @@ restore) and ``serve-llm`` (real SmolLM2 generation), with a TCP capture between
 
 Each user message is charged once, on the turn it is first sent; on every later turn the upstream receives the
 very text it received then; every assistant message it receives is the answer it wrote itself, never the
-restored one the client saw; and a gateway restarted on the same files after turn five keeps all of it.
+restored one the client saw; and a gateway restarted on the same files after turn five keeps all of it. In the
+bench kit's tests: ``serve-llm`` is the kit's.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import openai
 import pytest
 
 from privlm.accounting import Ledger
-from privlm.chat.service.completions import ChatOptions
 from privlm.chat.service.memory import ConversationMemory
 from privlm.chat.service.privacy import PromptPrivacy
 from privlm.mechanisms import PrivacyUnit
 from privlm.models.chat import ChatModel
+from privlm.settings.chat import ChatOptions
 from privlm_bench.chat.llm_server import create_llm_app
 from tests.service.localhost import RecordingProxy, serving
 from tests.support.chat import TIMEOUT, chat_gateway
