@@ -79,15 +79,19 @@ def require_logit_bound(mechanism: TextMechanism, logit_bound: str | Path | None
 def check_chat(settings: ChatSettings) -> TextMechanism:
     """The chat's mechanism from the registry, refused (:class:`SettingError`) before any model loads where the
     settings cannot serve: an unknown name, a level it refuses, no --logit-bound for a mechanism that reads it."""
-    for flag, check in (("mechanism", lambda: text_mechanism(settings.mechanism)),
-                        ("epsilon", lambda: check_epsilon(settings.epsilon, name="--epsilon")),
-                        ("logit_bound", lambda: require_logit_bound(text_mechanism(settings.mechanism),
-                                                                    settings.logit_bound))):
-        try:
-            check()
-        except ValueError as error:
-            raise SettingError(str(error), flag_of(ChatSettings, flag)) from None
-    return text_mechanism(settings.mechanism)
+    try:
+        chosen = text_mechanism(settings.mechanism)
+    except ValueError as error:
+        raise SettingError(str(error), flag_of(ChatSettings, "mechanism")) from None
+    try:
+        check_epsilon(settings.epsilon, name="--epsilon")
+    except ValueError as error:
+        raise SettingError(str(error), flag_of(ChatSettings, "epsilon")) from None
+    try:
+        require_logit_bound(chosen, settings.logit_bound)
+    except ValueError as error:
+        raise SettingError(str(error), flag_of(ChatSettings, "logit_bound")) from None
+    return chosen
 
 
 # -- locations: the one place a default ledger or a memory beside a ledger is derived --------------------------------
